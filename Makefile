@@ -1,0 +1,33 @@
+# fairprune — the two commands a fresh clone needs: `make demo` and `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# The exact torch / torchvision pair (pyproject.toml declares ranges).
+TORCH_PIN := torch==2.14.1 torchvision==0.29.1
+
+.PHONY: install demo test test-slow bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[dev]' $(TORCH_PIN)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m fairprune.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow
+
+bench: $(STAMP)
+	$(PY) bench/train_throughput.py
+
+clean:
+	rm -rf runs .cache

@@ -1,0 +1,79 @@
+"""Write ``report.json`` and the per-group table at the end of every fit and test."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+
+from fairprune.pruning.masks import achieved_sparsity, prunable_targets, sparsity_table
+from fairprune.reports import group_table, markdown, split_results, write_json
+
+
+def run_dir(trainer: L.Trainer) -> Path:
+    """The run folder: the logger's folder (``runs/<experiment>/<method>``) or the root dir."""
+    return Path(trainer.log_dir or trainer.default_root_dir)
+
+
+class ReportWriter(L.Callback):
+    """Collects what a run measured and writes ``report.json``, ``groups.csv`` and ``sparsity.csv``.
+
+    Other callbacks contribute fields by defining ``report_fields() -> dict`` (a pruning callback
+    gives its method, target sparsity, reference and timings); the data module may define it too.
+    """
+
+    def __init__(self, filename: str = "report.json", print_table: bool = True) -> None:
+        self.filename = filename
+        self.print_table = print_table
+        self._start = time.perf_counter()
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._start = time.perf_counter()
+
+    def _fields(self, trainer: L.Trainer) -> dict[str, Any]:
+        fields: dict[str, Any] = {"method": "dense"}
+        hp = getattr(trainer.datamodule, "hparams", {})
+        for key, name in (("dataset", "dataset"), ("target", "task"), ("sensitive", "sensitive")):
+            if key in hp:
+                fields[name] = hp[key]
+        sources = [trainer.datamodule, *trainer.callbacks]
+        for source in sources:
+            if source is not self and hasattr(source, "report_fields"):
+                fields.update(source.report_fields())
+        return fields
+
+    def write(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> dict[str, Any] | None:
+        results = getattr(pl_module, "last_results", {}).get(stage)
+        if not results or trainer.sanity_checking or not trainer.is_global_zero:
+            return None
+        targets = prunable_targets(pl_module)
+        report: dict[str, Any] = {
+            "method": "dense",
+            "model": pl_module.hparams.get("backbone", type(pl_module).__name__),
+            "split": stage,
+        }
+        report.update(self._fields(trainer))
+        report["achieved_sparsity"] = achieved_sparsity(targets)
+        report.update(split_results(results))
+        report.setdefault("seconds", {})["total"] = time.perf_counter() - self._start
+        out = run_dir(trainer)
+        write_json(out / self.filename, report)
+        table = group_table(report)
+        table.to_csv(out / "groups.csv")
+        import pandas as pd
+
+        pd.DataFrame(sparsity_table(targets)).to_csv(out / "sparsity.csv", index=False)
+        if self.print_table:
+            print(f"\nPer-group {stage} results ({report['method']}, {out / self.filename}):")
+            print(markdown(table))
+            fair = ", ".join(f"{k}={v:.4f}" for k, v in report["fairness"].items())
+            print(f"accuracy={report['metrics'].get('accuracy', float('nan')):.4f}  {fair}\n")
+        return report
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.write(trainer, pl_module, "val")
+
+    def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.write(trainer, pl_module, "test")

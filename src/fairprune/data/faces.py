@@ -1,0 +1,579 @@
+"""Face-attribute data: UTKFace, FairFace and CelebA readers, one Dataset, one DataModule.
+
+Every reader returns the same kind of frame, one row per image:
+
+* ``path``   absolute image path,
+* ``target`` class index of the attribute to predict,
+* ``group``  index of the sensitive attribute's value (-1 when ``sensitive=None``),
+* ``split``  ``"train"``, ``"val"`` or ``"test"``,
+* then the dataset's raw attribute columns (UTKFace ``age gender race``; FairFace
+  ``file age gender race service_test``; CelebA its 40 attributes as 0/1).
+
+The target and the sensitive attribute are picked independently by name and may be the same.
+Names: ``gender``, ``race`` and ``age`` (nine FairFace age bins; UTKFace ages are binned the
+same way) for UTKFace and FairFace; any of the 40 attributes for CelebA (``gender`` is accepted
+as another name for ``Male``). The label vocabularies are fixed, so :func:`task_info` knows
+the class and group names before any file is read: the model is built from them first.
+
+Example (the synthetic set is generated on first use)::
+
+    dm = FaceDataModule("synthetic", target="gender", sensitive="race", synthetic_size=400)
+    dm.class_names, dm.group_names      # (['Male', 'Female'], ['White', 'Black', 'Asian', 'Indian'])
+    dm.prepare_data(); dm.setup("fit")
+    images, targets, groups = next(iter(dm.train_dataloader()))
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Sequence
+
+import lightning as L
+import numpy as np
+import pandas as pd
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, Subset
+from torchvision.transforms import v2
+
+from fairprune.data.synthetic import MARKER, generate_synthetic_utkface
+from fairprune.errors import UserError, suggest
+
+DATASETS = ("synthetic", "utkface", "fairface", "celeba")
+SPLITS = ("train", "val", "test")
+#: Gender codes shared by UTKFace (0 male, 1 female) and FairFace's strings.
+GENDERS = ["Male", "Female"]
+#: UTKFace race codes 0..4, in code order.
+UTKFACE_RACES = ["White", "Black", "Asian", "Indian", "Others"]
+FAIRFACE_RACES = [
+    "White", "Black", "Latino_Hispanic", "East Asian", "Southeast Asian", "Indian", "Middle Eastern",
+]
+#: FairFace's age bins; UTKFace's integer ages are binned the same way.
+AGE_BINS = ["0-2", "3-9", "10-19", "20-29", "30-39", "40-49", "50-59", "60-69", "more than 70"]
+#: Lowest age of bins 1..8 (bin 0 starts at 0).
+AGE_EDGES = [3, 10, 20, 30, 40, 50, 60, 70]
+CELEBA_ATTRIBUTES = [
+    "5_o_Clock_Shadow", "Arched_Eyebrows", "Attractive", "Bags_Under_Eyes", "Bald", "Bangs",
+    "Big_Lips", "Big_Nose", "Black_Hair", "Blond_Hair", "Blurry", "Brown_Hair", "Bushy_Eyebrows",
+    "Chubby", "Double_Chin", "Eyeglasses", "Goatee", "Gray_Hair", "Heavy_Makeup", "High_Cheekbones",
+    "Male", "Mouth_Slightly_Open", "Mustache", "Narrow_Eyes", "No_Beard", "Oval_Face", "Pale_Skin",
+    "Pointy_Nose", "Receding_Hairline", "Rosy_Cheeks", "Sideburns", "Smiling", "Straight_Hair",
+    "Wavy_Hair", "Wearing_Earrings", "Wearing_Hat", "Wearing_Lipstick", "Wearing_Necklace",
+    "Wearing_Necktie", "Young",
+]
+CELEBA_ALIASES = {"gender": "Male"}
+#: The one group name when no sensitive attribute is used (every row then has group -1).
+UNKNOWN_GROUP = "unknown"
+#: What a dataset root must hold, for error messages.
+ROOT_CONTENTS = {
+    "utkface": "the UTKFace images ([age]_[gender]_[race]_[datetime].jpg or .jpg.chip.jpg)",
+    "fairface": "fairface_label_train.csv, fairface_label_val.csv and the train/ and val/ image folders",
+    "celeba": "list_attr_celeba.txt, list_eval_partition.txt and img_align_celeba/ (directly or under celeba/)",
+}
+ROOT_CONTENTS["synthetic"] = ROOT_CONTENTS["utkface"]
+LABEL_FILES = {
+    "fairface": ("fairface_label_train.csv", "fairface_label_val.csv"),
+    "celeba": ("list_attr_celeba.txt", "list_eval_partition.txt"),
+}
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+# age_gender_race_datetime, in-the-wild (.jpg) or aligned (.jpg.chip.jpg) style.
+UTKFACE_NAME = re.compile(r"(\d+)_([01])_([0-4])_(\d+)\.jpg(\.chip\.jpg)?")
+
+
+# --------------------------------------------------------------------------------------------
+# Label vocabularies: known without reading any file.
+
+
+def task_info(
+    dataset: str,
+    target: str,
+    sensitive: str | None,
+    include_others: bool = False,
+    root: str | None = None,
+) -> tuple[list[str], list[str]]:
+    """Return ``(class_names, group_names)`` for a dataset, target and sensitive attribute.
+
+    ``root`` is accepted so callers can pass a DataModule's settings unchanged; the
+    vocabularies are fixed per dataset, so no file is read. ``sensitive=None`` gives the one
+    group ``["unknown"]`` (rows then carry group -1). Raises :class:`UserError` for an unknown
+    dataset, target or sensitive name.
+    """
+    dataset = check_dataset(dataset)
+    class_names = label_names(dataset, target, "target", include_others)
+    if sensitive is None:
+        return class_names, [UNKNOWN_GROUP]
+    return class_names, label_names(dataset, sensitive, "sensitive", include_others)
+
+
+def check_dataset(dataset: str) -> str:
+    """Return ``dataset`` if it is supported, else raise a :class:`UserError` with a suggestion."""
+    if dataset not in DATASETS:
+        raise UserError(
+            f"unknown dataset '{dataset}'{suggest(dataset, DATASETS)}; "
+            f"pass --data.dataset as one of: {', '.join(DATASETS)}"
+        )
+    return dataset
+
+
+def label_names(dataset: str, attribute: str, role: str, include_others: bool = False) -> list[str]:
+    """Names of the values of ``attribute`` in ``dataset``; ``role`` is 'target' or 'sensitive'."""
+    if dataset == "celeba":
+        name = celeba_attribute(attribute, CELEBA_ATTRIBUTES, role)
+        return ["Female", "Male"] if name == "Male" else [f"not_{name}", name]
+    races = FAIRFACE_RACES if dataset == "fairface" else UTKFACE_RACES[: 5 if include_others else 4]
+    vocabularies = {"gender": GENDERS, "race": races, "age": AGE_BINS}
+    if attribute not in vocabularies:
+        raise UserError(
+            f"unknown {role} '{attribute}' for {dataset}{suggest(str(attribute), vocabularies)}; "
+            f"pass --data.{role} as one of: {', '.join(vocabularies)}"
+        )
+    return list(vocabularies[attribute])
+
+
+def celeba_attribute(attribute: str, names: Sequence[str], role: str) -> str:
+    """Resolve a CelebA attribute name (or alias) against ``names``; UserError lists them all."""
+    name = CELEBA_ALIASES.get(attribute, attribute)
+    if name not in names:
+        raise UserError(
+            f"unknown CelebA {role} '{attribute}'{suggest(str(attribute), names)}; "
+            f"pass --data.{role} as one of the {len(names)} attributes: {' '.join(names)}"
+        )
+    return name
+
+
+# --------------------------------------------------------------------------------------------
+# Readers: one plain function per real file layout.
+
+
+def read_faces(
+    dataset: str,
+    root: str | Path,
+    target: str = "gender",
+    sensitive: str | None = "race",
+    include_others: bool = False,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Read any supported dataset's frame (``synthetic`` is read as UTKFace)."""
+    dataset = check_dataset(dataset)
+    if dataset == "fairface":
+        return read_fairface(root, target, sensitive, seed)
+    if dataset == "celeba":
+        return read_celeba(root, target, sensitive)
+    return read_utkface(root, target, sensitive, include_others, seed)
+
+
+def read_utkface(
+    root: str | Path,
+    target: str = "gender",
+    sensitive: str | None = "race",
+    include_others: bool = False,
+    seed: int = 0,
+) -> pd.DataFrame:
+    """Read UTKFace from file names, searching ``root`` recursively.
+
+    Names are ``[age]_[gender]_[race]_[datetime].jpg`` or the aligned ``....jpg.chip.jpg``;
+    when both styles of one image are present the aligned one is kept. Malformed names are
+    skipped with one warning. UTKFace has no official split, so a seeded 80/10/10 split is
+    drawn from the names (see :func:`seeded_split`). Race 4 ("Others") is dropped unless
+    ``include_others``.
+    """
+    label_names("utkface", target, "target", include_others)
+    if sensitive is not None:
+        label_names("utkface", sensitive, "sensitive", include_others)
+    root = existing_root(root, "utkface")
+    frame, malformed = _parse_utkface_names(sorted(root.rglob("*.jpg")))
+    if malformed:
+        warnings.warn(
+            f"skipped {len(malformed)} UTKFace file(s) whose name is not "
+            f"[age]_[gender]_[race]_[datetime].jpg, e.g. '{malformed[0]}'",
+            stacklevel=2,
+        )
+    if frame.empty:
+        raise UserError(f"no UTKFace images found under '{root}'; pass --data.root pointing to "
+                        f"the folder that holds {ROOT_CONTENTS['utkface']}")
+    # Split before dropping "Others", so an image's split does not depend on include_others.
+    frame["split"] = seeded_split(frame["key"].tolist(), seed)
+    if not include_others:
+        frame = frame[frame["race"] != 4]
+    codes = {
+        "gender": frame["gender"].to_numpy(),
+        "race": frame["race"].to_numpy(),
+        "age": age_bin(frame["age"].to_numpy()),
+    }
+    return _finish(frame, codes[target], None if sensitive is None else codes[sensitive],
+                   ["age", "gender", "race"])
+
+
+def _parse_utkface_names(files: list[Path]) -> tuple[pd.DataFrame, list[str]]:
+    """Parse UTKFace file names into a frame (one row per image key) and a list of bad names."""
+    rows, malformed = [], []
+    for path in files:
+        match = UTKFACE_NAME.fullmatch(path.name)
+        if match is None:
+            malformed.append(path.name)
+            continue
+        age, gender, race, stamp, chip = match.groups()
+        rows.append((str(path.resolve()), f"{age}_{gender}_{race}_{stamp}", int(age), int(gender),
+                     int(race), chip is not None))
+    frame = pd.DataFrame(rows, columns=["path", "key", "age", "gender", "race", "aligned"])
+    frame = frame.sort_values(["key", "aligned"], ascending=[True, False], kind="stable")
+    return frame.drop_duplicates("key").reset_index(drop=True), malformed
+
+
+def read_fairface(
+    root: str | Path, target: str = "gender", sensitive: str | None = "race", seed: int = 0
+) -> pd.DataFrame:
+    """Read FairFace's two label csv files (``file,age,gender,race,service_test``).
+
+    The train csv gives the train split, with a seeded 10 % carved out as val; the official
+    val csv is the test split. A race or gender string outside the vocabulary raises a
+    :class:`UserError` naming the csv file and line.
+    """
+    label_names("fairface", target, "target")
+    if sensitive is not None:
+        label_names("fairface", sensitive, "sensitive")
+    root = existing_root(root, "fairface")
+    train_csv, val_csv = (label_file(root, name, "fairface") for name in LABEL_FILES["fairface"])
+    used = {"race", "gender"} | ({target, sensitive} & {"age"})
+    train, test = (_read_fairface_csv(path, used) for path in (train_csv, val_csv))
+    train["split"] = seeded_split(train["file"].tolist(), seed, (0.9, 0.1), ("train", "val"))
+    test["split"] = "test"
+    frame = pd.concat([train, test], ignore_index=True)
+    frame.insert(0, "path", [str((root / f).resolve()) for f in frame["file"]])
+    vocabularies = {"gender": GENDERS, "race": FAIRFACE_RACES, "age": AGE_BINS}
+
+    def codes(attribute):
+        return frame[attribute].map({v: i for i, v in enumerate(vocabularies[attribute])}).to_numpy()
+
+    raw = [c for c in ("file", "age", "gender", "race", "service_test") if c in frame]
+    return _finish(frame, codes(target), None if sensitive is None else codes(sensitive), raw)
+
+
+def _read_fairface_csv(path: Path, used: set[str]) -> pd.DataFrame:
+    """Read one FairFace csv and check the vocabulary of the columns in ``used``."""
+    table = pd.read_csv(path, dtype={"file": str, "age": str, "gender": str, "race": str})
+    missing = [c for c in ["file", *sorted(used)] if c not in table]
+    if missing:
+        raise UserError(f"{path} lacks column(s) {', '.join(missing)}; a FairFace label csv has "
+                        f"the header file,age,gender,race,service_test")
+    vocabularies = {"gender": GENDERS, "race": FAIRFACE_RACES, "age": AGE_BINS}
+    for column in sorted(used):
+        bad = ~table[column].isin(vocabularies[column])
+        if bad.any():
+            row = int(np.flatnonzero(bad.to_numpy())[0])
+            # +2: one for the header line, one because lines count from 1.
+            raise UserError(
+                f"{path}, line {row + 2}: unknown {column} '{table[column].iloc[row]}'; "
+                f"expected one of: {', '.join(vocabularies[column])}"
+            )
+    return table
+
+
+def read_celeba(root: str | Path, target: str = "Smiling", sensitive: str | None = "Male") -> pd.DataFrame:
+    """Read CelebA in torchvision's layout (under ``root`` or ``root/celeba``).
+
+    Attributes go from -1/1 to 0/1; the official partition gives the splits (0 train,
+    1 val, 2 test). Any attribute can be the target or the sensitive one.
+    """
+    celeba_attribute(target, CELEBA_ATTRIBUTES, "target")
+    if sensitive is not None:
+        celeba_attribute(sensitive, CELEBA_ATTRIBUTES, "sensitive")
+    base = existing_root(root, "celeba")
+    if not (base / LABEL_FILES["celeba"][0]).exists() and (base / "celeba").is_dir():
+        base = base / "celeba"
+    attr_file, partition_file = (label_file(base, name, "celeba") for name in LABEL_FILES["celeba"])
+    with attr_file.open() as handle:
+        handle.readline()  # the image count
+        names = handle.readline().split()
+    target = celeba_attribute(target, names, "target")
+    sensitive = None if sensitive is None else celeba_attribute(sensitive, names, "sensitive")
+    attrs = pd.read_csv(attr_file, sep=r"\s+", skiprows=2, header=None, names=["image_id", *names])
+    attrs[names] = (attrs[names] > 0).astype(np.int64)
+    partition = pd.read_csv(partition_file, sep=r"\s+", header=None, names=["image_id", "partition"])
+    frame = attrs.merge(partition, on="image_id", how="inner", validate="one_to_one")
+    if len(frame) != len(attrs):
+        raise UserError(f"{len(attrs) - len(frame)} image(s) in {attr_file} have no line in "
+                        f"{partition_file}; use the two files of one CelebA release")
+    frame["split"] = frame["partition"].map(dict(enumerate(SPLITS)))
+    frame.insert(0, "path", [str((base / "img_align_celeba" / i).resolve()) for i in frame["image_id"]])
+    groups = None if sensitive is None else frame[sensitive].to_numpy()
+    return _finish(frame, frame[target].to_numpy(), groups, list(names))
+
+
+def _finish(frame: pd.DataFrame, target, group, raw: list[str]) -> pd.DataFrame:
+    """Put the common columns first (``path target group split``), then the raw ones."""
+    out = pd.DataFrame({"path": frame["path"].to_numpy()})
+    out["target"] = np.asarray(target, dtype=np.int64)
+    out["group"] = np.full(len(out), -1, np.int64) if group is None else np.asarray(group, np.int64)
+    out["split"] = frame["split"].to_numpy()
+    for column in raw:
+        out[column] = frame[column].to_numpy()
+    return out
+
+
+def age_bin(age: np.ndarray) -> np.ndarray:
+    """Index into :data:`AGE_BINS` of each integer age."""
+    return np.searchsorted(AGE_EDGES, np.asarray(age), side="right")
+
+
+def seeded_split(
+    keys: Sequence[str],
+    seed: int,
+    fractions: Sequence[float] = (0.8, 0.1, 0.1),
+    names: Sequence[str] = SPLITS,
+) -> np.ndarray:
+    """Assign each key to a split by the rank of a seeded hash of the key.
+
+    The result depends only on the set of keys and the seed, never on their order (so not on
+    the order files come off the disk), and the split sizes are the fractions, rounded.
+    """
+    digests = [hashlib.blake2b(f"{seed}:{key}".encode(), digest_size=8).digest() for key in keys]
+    order = sorted(range(len(keys)), key=lambda i: (digests[i], keys[i]))
+    rank = np.empty(len(keys), dtype=np.int64)
+    rank[order] = np.arange(len(keys))
+    bounds = np.rint(np.cumsum(fractions) * len(keys))
+    return np.asarray(names)[np.minimum(np.searchsorted(bounds, rank, side="right"), len(names) - 1)]
+
+
+def existing_root(root: str | Path | None, dataset: str) -> Path:
+    """Return ``root`` as a Path, or raise a UserError that says what the folder should hold."""
+    if root is None or not Path(root).is_dir():
+        shown = "" if root is None else f" '{root}'"
+        raise UserError(f"dataset root{shown} does not exist; pass --data.root pointing to the "
+                        f"folder that holds {ROOT_CONTENTS[dataset]}")
+    return Path(root)
+
+
+def label_file(base: Path, name: str, dataset: str) -> Path:
+    """Return ``base / name`` or raise a UserError naming the missing label file."""
+    path = base / name
+    if not path.is_file():
+        raise UserError(f"label file '{path}' does not exist; pass --data.root pointing to the "
+                        f"folder that holds {ROOT_CONTENTS[dataset]}")
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Dataset and transforms.
+
+
+def drop_unreadable(frame: pd.DataFrame) -> pd.DataFrame:
+    """Drop rows whose image PIL cannot open and verify, with one warning giving the count.
+
+    ``verify`` reads headers and structure without decoding pixels, so this is cheap enough
+    to run over a whole dataset once; damage it misses is handled by :class:`FaceDataset`.
+    """
+    readable = np.array([_verifies(path) for path in frame["path"]], dtype=bool)
+    if not readable.all():
+        warnings.warn(f"dropped {int((~readable).sum())} unreadable image(s) of {len(frame)}, "
+                      f"e.g. '{frame['path'][~readable].iloc[0]}'", stacklevel=2)
+    return frame[readable].reset_index(drop=True)
+
+
+def _verifies(path: str) -> bool:
+    """True when PIL can open and verify the image at ``path``."""
+    try:
+        with Image.open(path) as image:
+            image.verify()
+        return True
+    except Exception:  # noqa: BLE001 - any failure to read means the image is unusable
+        return False
+
+
+def face_transform(image_size: int, augment: bool = False) -> v2.Compose:
+    """Resize to a square, scale to float in [0, 1], normalise with ImageNet statistics."""
+    steps = [v2.ToImage(), v2.Resize((image_size, image_size), antialias=True)]
+    if augment:
+        steps.append(v2.RandomHorizontalFlip())
+    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
+    return v2.Compose(steps)
+
+
+class FaceDataset(Dataset):
+    """Images of a frame as ``(image, target, group)``; target and group are int64 tensors.
+
+    An image that fails to load is replaced by the next one (in frame order) that loads, so a
+    damaged file never stops an epoch; ``num_failed`` counts the failures (per process: with
+    DataLoader workers each worker keeps its own count).
+    """
+
+    def __init__(self, frame: pd.DataFrame, transform=None):
+        self.paths = frame["path"].astype(str).tolist()
+        self.targets = torch.tensor(frame["target"].to_numpy(np.int64))
+        self.groups = torch.tensor(frame["group"].to_numpy(np.int64))
+        self.transform = transform or v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True)])
+        self.num_failed = 0
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int):
+        for offset in range(len(self)):
+            i = (index + offset) % len(self)
+            try:
+                with Image.open(self.paths[i]) as image:
+                    rgb = image.convert("RGB")  # decodes now, so damage surfaces here
+            except Exception:  # noqa: BLE001 - any unreadable file is substituted, not fatal
+                self._failed(self.paths[i])
+                continue
+            return self.transform(rgb), self.targets[i], self.groups[i]
+        raise RuntimeError(f"none of the {len(self)} images could be loaded")
+
+    def _failed(self, path: str) -> None:
+        """Count a failed load; warn on the first only, so a bad disk does not flood the log."""
+        self.num_failed += 1
+        if self.num_failed == 1:
+            warnings.warn(f"could not load '{path}'; using the next image instead "
+                          f"(dataset.num_failed counts these)", stacklevel=3)
+
+
+def stratified_subset(groups: np.ndarray, fraction: float, seed: int) -> np.ndarray:
+    """Sorted indices of a seeded ``fraction`` of each group (at least one per non-empty group)."""
+    rng = np.random.default_rng(seed)
+    picks = []
+    for value in np.unique(groups):
+        members = np.flatnonzero(groups == value)
+        take = max(1, int(round(fraction * len(members))))
+        picks.append(rng.permutation(members)[:take])
+    return np.sort(np.concatenate(picks)) if picks else np.zeros(0, dtype=np.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# The DataModule.
+
+
+def default_synthetic_root(size: int, seed: int) -> Path:
+    """``$FAIRPRUNE_CACHE`` (default ``.cache/fairprune``) ``/synthetic_utkface_<size>_<seed>``."""
+    base = os.environ.get("FAIRPRUNE_CACHE") or os.path.join(".cache", "fairprune")
+    return Path(base) / f"synthetic_utkface_{size}_{seed}"
+
+
+class FaceDataModule(L.LightningDataModule):
+    """UTKFace, FairFace, CelebA or the bundled synthetic set, with targets and groups.
+
+    ``class_names``, ``group_names``, ``num_classes`` and ``num_groups`` are known right after
+    ``__init__`` (from the label vocabularies), so a model can be built before any data is
+    read. With ``sensitive=None`` every row has group -1 and ``group_names == ["unknown"]``.
+    ``max_samples`` caps each split (a seeded sample), for quick runs.
+    """
+
+    def __init__(
+        self,
+        dataset: str = "synthetic",
+        root: str | None = None,
+        target: str = "gender",
+        sensitive: str | None = "race",
+        image_size: int = 64,
+        batch_size: int = 64,
+        num_workers: int = 0,
+        seed: int = 0,
+        include_others: bool = False,
+        augment: bool = False,
+        max_samples: int | None = None,
+        synthetic_size: int = 4000,
+    ):
+        super().__init__()
+        self.save_hyperparameters()
+        self.class_names, self.group_names = task_info(dataset, target, sensitive, include_others)
+        _check_positive(image_size=image_size, batch_size=batch_size, synthetic_size=synthetic_size,
+                        max_samples=max_samples, num_workers=num_workers + 1)
+        if dataset == "synthetic":
+            self.root = Path(root) if root is not None else default_synthetic_root(synthetic_size, seed)
+        else:
+            self.root = existing_root(root, dataset)
+            for name in LABEL_FILES.get(dataset, ()):
+                if dataset != "celeba" or not (self.root / "celeba").is_dir():
+                    label_file(self.root, name, dataset)
+        self.num_classes = len(self.class_names)
+        self.num_groups = len(self.group_names)
+        self.train_frame = self.val_frame = self.test_frame = None
+
+    def prepare_data(self) -> None:
+        """Generate the synthetic set into ``root`` unless it is complete already."""
+        if self.hparams.dataset == "synthetic":
+            generate_synthetic_utkface(self.root, n=self.hparams.synthetic_size, seed=self.hparams.seed)
+
+    def setup(self, stage: str | None = None) -> None:
+        """Read the frame once, drop unreadable images, and build the three datasets."""
+        if self.train_frame is not None:
+            return
+        hp = self.hparams
+        if hp.dataset == "synthetic" and not (self.root / MARKER).exists():
+            self.prepare_data()  # setup() called without prepare_data(), e.g. from a script
+        frame = read_faces(hp.dataset, self.root, hp.target, hp.sensitive, hp.include_others, hp.seed)
+        frames = {split: self._cap(frame[frame["split"] == split]) for split in SPLITS}
+        frame = drop_unreadable(pd.concat(frames.values(), ignore_index=True))
+        frames = {split: frame[frame["split"] == split].reset_index(drop=True) for split in SPLITS}
+        self._warn_absent_groups(frames)
+        self.train_frame, self.val_frame, self.test_frame = (frames[s] for s in SPLITS)
+        train_tf = face_transform(hp.image_size, augment=hp.augment)
+        eval_tf = face_transform(hp.image_size)
+        self.train_set = FaceDataset(self.train_frame, train_tf)
+        self.val_set = FaceDataset(self.val_frame, eval_tf)
+        self.test_set = FaceDataset(self.test_frame, eval_tf)
+        # Importance scores want the training images without random augmentation.
+        self.importance_set = FaceDataset(self.train_frame, eval_tf)
+
+    def _cap(self, frame: pd.DataFrame) -> pd.DataFrame:
+        """At most ``max_samples`` rows of one split, a seeded sample kept in frame order."""
+        cap = self.hparams.max_samples
+        if cap is None or len(frame) <= cap:
+            return frame
+        return frame.sample(n=cap, random_state=self.hparams.seed).sort_index()
+
+    def _warn_absent_groups(self, frames: dict[str, pd.DataFrame]) -> None:
+        """Warn once, naming every (group, split) pair without samples."""
+        if self.hparams.sensitive is None:
+            return
+        absent = [
+            f"{name} in {split}"
+            for split, frame in frames.items()
+            for code, name in enumerate(self.group_names)
+            if not (frame["group"] == code).any()
+        ]
+        if absent:
+            warnings.warn(f"no samples of group {', '.join(absent)}; metrics of those groups "
+                          f"will be missing for that split", stacklevel=3)
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set)
+
+    def importance_dataloader(self, fraction: float = 0.2, seed: int = 0) -> DataLoader:
+        """A loader over a seeded, group-stratified ``fraction`` of the training set, in order."""
+        if not 0 < fraction <= 1:
+            raise UserError(f"importance data fraction must be in (0, 1], got {fraction}; "
+                            f"pass a fraction such as 0.2")
+        if self.train_frame is None:
+            self.setup("fit")
+        indices = stratified_subset(self.importance_set.groups.numpy(), fraction, seed)
+        return self._loader(Subset(self.importance_set, indices.tolist()))
+
+    def _loader(self, dataset: Dataset, shuffle: bool = False) -> DataLoader:
+        workers = self.hparams.num_workers
+        return DataLoader(
+            dataset,
+            batch_size=self.hparams.batch_size,
+            shuffle=shuffle,
+            num_workers=workers,
+            persistent_workers=workers > 0,
+            pin_memory=torch.cuda.is_available(),
+        )
+
+
+def _check_positive(**values: int | None) -> None:
+    """Raise a UserError for the first value that is given but not a positive integer."""
+    for name, value in values.items():
+        if value is not None and (not isinstance(value, int) or value < 1):
+            shown = value - 1 if name == "num_workers" else value
+            raise UserError(f"--data.{name} must be a positive integer, got {shown}")

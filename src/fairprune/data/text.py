@@ -1,0 +1,316 @@
+"""Text data for the language side, all generated offline by the project itself.
+
+* :func:`lm_corpus` — an English-like corpus from a small probabilistic grammar (people with
+  occupations, places, animals, objects, weather, trade, cooking; tense and pronoun agreement;
+  documents that keep one protagonist). Deterministic for a seed and independent of the Python
+  or library version, which stdlib docstrings would not be. Split into train / validation text.
+* :func:`stereo_pairs` / :func:`write_stereo_set` — a few hundred occupation–pronoun pairs
+  ("The nurse said that she ..." vs "... he ...") in StereoSet intrasentence JSON format,
+  gender stereotypes after the WinoBias occupation lists.
+* :func:`train_bpe_tokenizer` — a byte-level BPE tokenizer as a transformers tokenizer.
+* :func:`calibration_ids` / :func:`paired_ids` — calibration batches for post-training pruning.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+from typing import Iterable, NamedTuple
+
+import torch
+
+from fairprune.errors import UserError
+
+EOS, PAD = "<|endoftext|>", "<|pad|>"
+
+
+def default_cache_dir() -> Path:
+    """``$FAIRPRUNE_CACHE`` or ``.cache/fairprune`` (removed by ``make clean``)."""
+    return Path(os.environ.get("FAIRPRUNE_CACHE", ".cache/fairprune"))
+
+
+# --------------------------------------------------------------------------------------------
+# (1) The bundled LM corpus
+# --------------------------------------------------------------------------------------------
+
+_FIRST_NAMES = {
+    "she": "Anna Maria Elena Sofia Clara Nora Ida Lena Mira Rosa Vera Alice Grace Hannah Julia Laura Olivia".split(),
+    "he": "Tom Paul Victor Marco Hugo Felix Oscar Peter Jonas Leo Samuel Daniel Simon Adam Karl Emil Lucas".split(),
+}
+_SURNAMES = "Miller Baker Novak Costa Weber Larsen Silva Moreau Kowalski Berg Fischer Rossi Lindqvist Dubois Ortega Hale".split()
+_OCCUPATIONS = (
+    "farmer baker teacher doctor sailor painter carpenter merchant weaver miller potter tailor "
+    "librarian engineer gardener fisher nurse pilot chemist builder clerk cook"
+).split()
+_PLACES = (
+    "village harbour market valley forest river town mill bridge library garden square station "
+    "hill school workshop bakery orchard island coast"
+).split()
+_ANIMALS = "dog cat horse goat sheep fox owl crow rabbit duck goose deer mouse hen".split()
+_ANIMAL_PLURALS = {"fox": "foxes", "sheep": "sheep", "deer": "deer", "mouse": "mice", "goose": "geese"}
+_OBJECTS = (
+    "basket letter lamp wagon boat map book coat bell rope ladder kettle hammer barrel box "
+    "clock violin chair table window key cart net"
+).split()
+_FOODS = {"bread": "loaves", "soup": "pots", "cheese": "wheels", "apples": "baskets", "honey": "jars",
+          "fish": "crates", "rice": "sacks", "beans": "sacks", "plums": "baskets", "milk": "jugs"}
+_THING_ADJECTIVES = "old small large heavy light narrow wide new broken green red blue bright dark".split()
+_PERSON_ADJECTIVES = "young old quiet busy careful kind tired cheerful famous patient clever".split()
+_PLACE_ADJECTIVES = "quiet busy cold warm dark bright crowded empty muddy peaceful".split()
+_ADVERBS = "slowly quickly carefully quietly happily early late gladly".split()
+_TIMES = (
+    "in the morning|at noon|in the evening|on Monday|on Sunday|after the storm|before dawn|"
+    "last winter|during the fair|in the spring|every Friday|at night"
+).split("|")
+_WEATHER = (
+    "The rain fell over the {place} all day.|A cold wind came down from the hills.|"
+    "The sun rose over the {place} and the fog lifted.|Snow covered the roofs near the {place}.|"
+    "The sky was clear {time}.|Thunder rolled over the {place} {time}."
+).split("|")
+# verb (past tense) -> the kind of thing it takes
+_VERBS = {
+    "carried": "object", "repaired": "object", "painted": "object", "sold": "food", "bought": "food",
+    "cooked": "food", "found": "object", "fed": "animal", "followed": "animal", "lost": "object",
+    "cleaned": "object", "delivered": "object", "watched": "animal", "borrowed": "object",
+}
+_NUMBERS = "two three four five six seven eight nine ten twelve twenty".split()
+_RELATIVES = "neighbour friend sister brother cousin mother father daughter son".split()
+
+
+def _pick(rng: random.Random, items):
+    items = list(items)
+    return items[rng.randrange(len(items))]
+
+
+def _thing(rng: random.Random, kind: str) -> str:
+    """A noun phrase of the given kind: 'the old lamp', 'three jars of honey', 'the goat'."""
+    if kind == "food":
+        food = _pick(rng, _FOODS)
+        return f"{_pick(rng, _NUMBERS)} {_FOODS[food]} of {food}" if rng.random() < 0.6 else f"some {food}"
+    if kind == "animal":
+        return f"the {_pick(rng, _ANIMALS)}"
+    noun = _pick(rng, _OBJECTS)
+    return f"the {_pick(rng, _THING_ADJECTIVES)} {noun}" if rng.random() < 0.6 else f"the {noun}"
+
+
+def _plural(animal: str) -> str:
+    return _ANIMAL_PLURALS.get(animal, animal + "s")
+
+
+def _sentence(rng: random.Random, who: str, pron: str) -> str:
+    """One sentence about the protagonist ``who`` (a first name or 'The <occupation>')."""
+    poss = {"she": "her", "he": "his"}[pron]
+    subject = who if rng.random() < 0.5 else pron.capitalize()
+    inner = subject if subject not in ("She", "He") else pron  # the same subject mid-sentence
+    inner = "the" + inner[3:] if inner.startswith("The ") else inner
+    verb = _pick(rng, _VERBS)
+    place, time = _pick(rng, _PLACES), _pick(rng, _TIMES)
+    forms = [
+        lambda: f"{subject} {verb} {_thing(rng, _VERBS[verb])} {time}.",
+        lambda: f"{subject} {verb} {_thing(rng, _VERBS[verb])} near the {place}.",
+        lambda: f"{time[0].upper() + time[1:]}, {inner} walked {_pick(rng, _ADVERBS)} to the {place}.",
+        lambda: f"{subject} gave {_thing(rng, 'object')} to {poss} {_pick(rng, _RELATIVES)}.",
+        lambda: f"{subject} said that the {place} was {_pick(rng, _PLACE_ADJECTIVES)} {time}.",
+        lambda: f"{subject} counted {_pick(rng, _NUMBERS)} {_plural(_pick(rng, _ANIMALS))} by the {place}.",
+        lambda: f"Because the {_pick(rng, _OBJECTS)} was {_pick(rng, _THING_ADJECTIVES)}, {inner} {verb} {_thing(rng, _VERBS[verb])}.",
+        lambda: f"{subject} was {_pick(rng, _PERSON_ADJECTIVES)} and {_pick(rng, _PERSON_ADJECTIVES)} {time}.",
+        lambda: _pick(rng, _WEATHER).format(place=place, time=time),
+    ]
+    return _pick(rng, forms)()
+
+
+def _document(rng: random.Random) -> str:
+    """A paragraph of 4–9 sentences that keeps one protagonist."""
+    pron = _pick(rng, ["she", "he"])
+    name = f"{_pick(rng, _FIRST_NAMES[pron])} {_pick(rng, _SURNAMES)}"
+    job, place = _pick(rng, _OCCUPATIONS), _pick(rng, _PLACES)
+    adjective = _pick(rng, _PERSON_ADJECTIVES)
+    article = "an" if adjective[0] in "aeiou" else "a"
+    opening = f"{name} was {article} {adjective} {job} who lived near the {place}."
+    who = [name.split()[0], f"The {job}"]
+    body = [_sentence(rng, _pick(rng, who), pron) for _ in range(rng.randint(4, 9))]
+    return " ".join([opening, *body])
+
+
+class Corpus(NamedTuple):
+    """Train and validation text; documents separated by blank lines."""
+
+    train: str
+    validation: str
+
+
+def lm_corpus(train_docs: int = 2000, validation_docs: int = 200, seed: int = 0) -> Corpus:
+    """The bundled English-like LM corpus (deterministic for ``seed``)."""
+    rng = random.Random(seed)
+    docs = [_document(rng) for _ in range(train_docs + validation_docs)]
+    return Corpus("\n\n".join(docs[:train_docs]), "\n\n".join(docs[train_docs:]))
+
+
+def write_lm_corpus(folder: str | Path | None = None, **kwargs) -> dict[str, Path]:
+    """Write ``train.txt`` and ``validation.txt`` under ``folder`` (default cache) and return the paths."""
+    folder = Path(folder or default_cache_dir() / "lm_corpus")
+    folder.mkdir(parents=True, exist_ok=True)
+    corpus = lm_corpus(**kwargs)
+    paths = {split: folder / f"{split}.txt" for split in Corpus._fields}
+    for split, path in paths.items():
+        path.write_text(getattr(corpus, split), encoding="utf-8")
+    return paths
+
+
+# --------------------------------------------------------------------------------------------
+# (2) The paired stereotype set (StereoSet intrasentence format)
+# --------------------------------------------------------------------------------------------
+
+# Occupations with a gender stereotype (after the WinoBias lists), stereotyped pronoun first.
+_STEREO_OCCUPATIONS = {
+    "she": "nurse receptionist secretary hairdresser librarian housekeeper nanny cashier dietitian "
+    "dancer cleaner babysitter midwife florist stylist".split(),
+    "he": "engineer mechanic carpenter plumber electrician firefighter pilot surgeon farmer "
+    "programmer janitor sheriff guard bricklayer welder".split(),
+}
+_PRONOUNS = {"she": {"subj": "she", "poss": "her"}, "he": {"subj": "he", "poss": "his"}}
+_STEREO_TEMPLATES = (
+    "The {occ} said that {subj} would arrive early.",
+    "The {occ} finished the work because {subj} was careful.",
+    "Everyone agreed that the {occ} did {poss} job well.",
+    "The {occ} took {poss} lunch break at noon.",
+    "After the meeting, the {occ} went back to {poss} desk.",
+    "The {occ} called the client because {subj} needed more details.",
+    "The {occ} was proud of what {subj} had done.",
+    "The {occ} packed {poss} things before leaving.",
+    "The {occ} smiled when {subj} heard the news.",
+    "The {occ} explained that {subj} had been busy all week.",
+)
+_UNRELATED = "banana|cloud|spoon|violin|pebble".split("|")
+
+
+def _stereo_records() -> list[dict]:
+    """StereoSet intrasentence items: stereotype, anti-stereotype and unrelated sentences."""
+    records = []
+    for stereo_pron, occupations in _STEREO_OCCUPATIONS.items():
+        anti_pron = "he" if stereo_pron == "she" else "she"
+        for occ in occupations:
+            for t, template in enumerate(_STEREO_TEMPLATES):
+                fill = lambda p: template.format(occ=occ, **_PRONOUNS[p])  # noqa: E731
+                unrelated = template.format(occ=occ, subj=_UNRELATED[t % 5], poss=_UNRELATED[t % 5])
+                item = f"{occ}-{t}"
+                records.append({
+                    "id": item, "target": occ, "bias_type": "gender",
+                    "context": template.format(occ=occ, subj="BLANK", poss="BLANK"),
+                    "sentences": [
+                        _stereo_sentence(fill(stereo_pron), f"{item}-s", "stereotype"),
+                        _stereo_sentence(fill(anti_pron), f"{item}-a", "anti-stereotype"),
+                        _stereo_sentence(unrelated, f"{item}-u", "unrelated"),
+                    ],
+                })
+    return records
+
+
+def _stereo_sentence(sentence: str, sid: str, label: str) -> dict:
+    return {"sentence": sentence, "id": sid, "labels": [{"label": label, "human_id": "fairprune"}], "gold_label": label}
+
+
+def stereo_pairs() -> list[tuple[str, str]]:
+    """The bundled (stereotypical, anti-stereotypical) sentence pairs (300)."""
+    pairs = []
+    for record in _stereo_records():
+        by_label = {s["gold_label"]: s["sentence"] for s in record["sentences"]}
+        pairs.append((by_label["stereotype"], by_label["anti-stereotype"]))
+    return pairs
+
+
+def write_stereo_set(folder: str | Path | None = None) -> Path:
+    """Write the bundled set as StereoSet intrasentence JSON (once) and return its path."""
+    path = Path(folder or default_cache_dir()) / "stereo_pairs.json"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        data = {"version": "fairprune-1", "data": {"intrasentence": _stereo_records(), "intersentence": []}}
+        path.write_text(json.dumps(data, indent=1), encoding="utf-8")
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# (3) Tokenizer
+# --------------------------------------------------------------------------------------------
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int, path: str | Path | None = None):
+    """Train a byte-level BPE tokenizer; return it as a ``PreTrainedTokenizerFast`` (saved to ``path``).
+
+    ``<|endoftext|>`` is both BOS and EOS (GPT-2 convention); ``<|pad|>`` is a separate pad token
+    so padded positions are never confused with a document boundary.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    if vocab_size < len(alphabet) + 2:
+        raise UserError(f"vocab_size must be at least {len(alphabet) + 2} (256 bytes + 2 special tokens), got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS, PAD], initial_alphabet=alphabet, show_progress=False
+    )
+    tok.train_from_iterator([texts] if isinstance(texts, str) else texts, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOS, eos_token=EOS, pad_token=PAD)
+    if path is not None:
+        fast.save_pretrained(str(path))
+    return fast
+
+
+# --------------------------------------------------------------------------------------------
+# (4) Calibration batches
+# --------------------------------------------------------------------------------------------
+
+
+def join_documents(text: str | Iterable[str]) -> str:
+    """Documents joined with a blank line, the usual WikiText / C4 evaluation convention."""
+    return text if isinstance(text, str) else "\n\n".join(text)
+
+
+def calibration_ids(tokenizer, text: str | Iterable[str], nsamples: int, seqlen: int, seed: int = 0) -> torch.Tensor:
+    """``nsamples`` random windows of ``seqlen`` tokens from the tokenized text, as [nsamples, seqlen]."""
+    ids = tokenizer(join_documents(text), return_tensors="pt", verbose=False).input_ids[0]
+    if nsamples < 1 or seqlen < 1:
+        raise UserError(f"nsamples and seqlen must be positive, got {nsamples} and {seqlen}")
+    if len(ids) < seqlen:
+        raise UserError(f"calibration text has {len(ids)} tokens, fewer than one window of {seqlen}; give more text or a smaller seqlen")
+    generator = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(ids) - seqlen + 1, (nsamples,), generator=generator)
+    return torch.stack([ids[s : s + seqlen] for s in starts.tolist()])
+
+
+def encode_sentence(tokenizer, sentence: str) -> list[int]:
+    """Token ids of one sentence, starting with BOS (or EOS) so its first word is predicted too."""
+    ids = tokenizer(sentence, verbose=False).input_ids
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    if start is not None and (not ids or ids[0] != start):
+        ids = [start, *ids]
+    return ids
+
+
+def paired_ids(tokenizer, pairs: list[tuple[str, str]], seqlen: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token-aligned pair batches ``(ids0, ids1, mask)``, each [n_pairs, L].
+
+    Both sides are right-padded with the pad token (EOS when there is none) to one common length
+    ``L`` = the longest tokenized sentence, truncated to ``seqlen``. ``mask`` marks positions
+    before the end of the longer side of each pair: only those count in the statistics, so the
+    shared padding tail adds nothing. Right padding keeps a causal model's real tokens unaffected.
+    """
+    if not pairs:
+        raise UserError("no sentence pairs given; pass a list of (stereotypical, anti-stereotypical) sentences")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise UserError("the tokenizer has neither a pad nor an EOS token; set tokenizer.pad_token first")
+    encoded = [(encode_sentence(tokenizer, a)[:seqlen], encode_sentence(tokenizer, b)[:seqlen]) for a, b in pairs]
+    length = max(max(len(a), len(b)) for a, b in encoded)
+    ids = torch.full((2, len(pairs), length), pad, dtype=torch.long)
+    mask = torch.zeros(len(pairs), length, dtype=torch.bool)
+    for i, (a, b) in enumerate(encoded):
+        ids[0, i, : len(a)] = torch.tensor(a)
+        ids[1, i, : len(b)] = torch.tensor(b)
+        mask[i, : max(len(a), len(b))] = True
+    return ids[0], ids[1], mask

@@ -1,0 +1,156 @@
+"""Where things live inside each supported transformer family.
+
+Pruning methods never branch on the model type: they ask a :class:`Family` for the embedding
+front (the modules that run before the first block), the list of transformer blocks, the
+prunable linear layers of a block, the attention output projection and the head counts. Adding
+a family means adding one row to :data:`FAMILIES`.
+
+All paths are relative to ``model.base_model`` (``GPT2Model`` inside ``GPT2LMHeadModel``, ...),
+so a bare backbone and a model with a task head resolve the same way.
+
+GPT-2 stores its projections as ``Conv1D`` whose weight is ``[in, out]``; :func:`linear_weight`
+and :func:`set_linear_weight` present every prunable layer as a ``[out, in]`` matrix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from fairprune.errors import UserError
+
+
+@dataclass(frozen=True)
+class Family:
+    """One row of the table: module paths (relative to ``model.base_model``) and config keys."""
+
+    name: str
+    model_types: tuple[str, ...]
+    front: tuple[str, ...]  # modules that run before block 0 (embeddings, rotary tables)
+    blocks: str  # the ``nn.ModuleList`` of transformer blocks
+    linears: tuple[str, ...]  # prunable layers, relative to one block, in forward order
+    attn_out: str  # attention output projection, relative to one block
+    heads_key: str = "num_attention_heads"
+    kv_heads_key: str | None = None  # grouped-query attention; None: same as heads
+    head_dim_key: str | None = None  # None: hidden_size // heads
+
+    def block_list(self, model: nn.Module) -> nn.ModuleList:
+        """The transformer blocks, in order."""
+        return _get(_base(model), self.blocks)
+
+    def front_modules(self, model: nn.Module) -> list[nn.Module]:
+        """Modules that run before block 0; optional ones (e.g. OPT's ``project_in``) may be absent."""
+        base = _base(model)
+        found = (_get(base, path, missing_ok=True) for path in self.front)
+        return [m for m in found if m is not None]
+
+    def block_linears(self, block: nn.Module) -> dict[str, nn.Module]:
+        """The prunable ``nn.Linear`` / ``Conv1D`` layers of one block, by relative name."""
+        return {path: _get(block, path) for path in self.linears}
+
+    def attention_out(self, block: nn.Module) -> nn.Module:
+        """The attention output projection (its input is the concatenation of all heads)."""
+        return _get(block, self.attn_out)
+
+    def num_heads(self, config) -> int:
+        """Number of query heads."""
+        return int(getattr(config, self.heads_key))
+
+    def num_kv_heads(self, config) -> int:
+        """Number of key/value heads (fewer than query heads under grouped-query attention)."""
+        value = getattr(config, self.kv_heads_key, None) if self.kv_heads_key else None
+        return int(value) if value else self.num_heads(config)
+
+    def head_dim(self, config) -> int:
+        """Width of one head."""
+        value = getattr(config, self.head_dim_key, None) if self.head_dim_key else None
+        return int(value) if value else int(config.hidden_size) // self.num_heads(config)
+
+
+_LLAMA_LINEARS = (
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
+)
+
+FAMILIES: tuple[Family, ...] = (
+    Family(
+        name="gpt2", model_types=("gpt2",), front=("wte", "wpe"), blocks="h",
+        linears=("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"), attn_out="attn.c_proj",
+    ),
+    Family(
+        name="gpt-neo", model_types=("gpt_neo",), front=("wte", "wpe"), blocks="h",
+        linears=(
+            "attn.attention.q_proj", "attn.attention.k_proj", "attn.attention.v_proj",
+            "attn.attention.out_proj", "mlp.c_fc", "mlp.c_proj",
+        ),
+        attn_out="attn.attention.out_proj",
+    ),
+    Family(
+        name="opt", model_types=("opt",),
+        front=("decoder.embed_tokens", "decoder.embed_positions", "decoder.project_in"),
+        blocks="decoder.layers",
+        linears=(
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj",
+            "fc1", "fc2",
+        ),
+        attn_out="self_attn.out_proj",
+    ),
+    Family(
+        name="llama", model_types=("llama", "mistral"), front=("embed_tokens", "rotary_emb"),
+        blocks="layers", linears=_LLAMA_LINEARS, attn_out="self_attn.o_proj",
+        kv_heads_key="num_key_value_heads", head_dim_key="head_dim",
+    ),
+    Family(
+        name="bert", model_types=("bert", "roberta"), front=("embeddings",), blocks="encoder.layer",
+        linears=(
+            "attention.self.query", "attention.self.key", "attention.self.value",
+            "attention.output.dense", "intermediate.dense", "output.dense",
+        ),
+        attn_out="attention.output.dense",
+    ),
+)
+
+
+def family_of(model: nn.Module) -> Family:
+    """The table row for ``model.config.model_type``; unknown types raise :class:`UserError`."""
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    for family in FAMILIES:
+        if model_type in family.model_types:
+            return family
+    supported = ", ".join(t for f in FAMILIES for t in f.model_types)
+    raise UserError(
+        f"model type {model_type!r} is not supported for pruning; supported: {supported} "
+        "(add a row to fairprune.models.families.FAMILIES for a new family)"
+    )
+
+
+def linear_weight(layer: nn.Module) -> torch.Tensor:
+    """The weight as ``[out, in]``: a view of ``nn.Linear.weight``, the transpose for ``Conv1D``."""
+    return layer.weight.data.t() if isinstance(layer, Conv1D) else layer.weight.data
+
+
+def set_linear_weight(layer: nn.Module, weight: torch.Tensor) -> None:
+    """Write a ``[out, in]`` matrix back, in the layer's own dtype and layout."""
+    linear_weight(layer).copy_(weight.to(layer.weight.dtype))
+
+
+def _base(model: nn.Module) -> nn.Module:
+    # ``base_model`` strips task heads (``GPT2LMHeadModel.transformer`` ...); plain modules pass.
+    return getattr(model, "base_model", model)
+
+
+def _get(root: nn.Module, path: str, missing_ok: bool = False):
+    obj = root
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            if missing_ok:
+                return None
+            raise UserError(
+                f"{type(root).__name__} has no submodule {path!r}; the family table in "
+                "fairprune.models.families does not match this model"
+            )
+    return obj

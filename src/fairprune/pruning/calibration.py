@@ -1,0 +1,168 @@
+"""Layer-sequential calibration for post-training pruning of transformer LMs.
+
+The loop that SparseGPT, Debias-SparseGPT and Wanda share:
+
+1. run the model up to block 0 and keep what block 0 receives — hidden states plus the
+   positional and keyword arguments it is called with (attention mask, rotary position
+   embeddings, ...) — by raising from a forward pre-hook on block 0;
+2. for each block: move it to the compute device, hook its prunable layers to accumulate
+   statistics, run every calibration batch through it, prune each layer from its statistics,
+   then run the batches through the *pruned* block to get the next block's inputs, and move
+   the block back.
+
+Only the embedding front and one block are on the compute device at a time, so models larger
+than device memory can be pruned with the rest left on CPU. Statistics objects are plain
+tensors that reduce themselves across processes (see ``sparsegpt.Hessian.value``).
+
+Aligned pairs (Debias-SparseGPT) travel as one batch ``cat([side0, side1])``; the layer hook
+splits it back in halves and calls ``stat.add_pair(x0, x1, mask)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from fairprune.models.families import Family
+
+
+@dataclass
+class CalibInput:
+    """One batch of token ids; ``paired``: the first half and second half are aligned pair sides."""
+
+    ids: torch.Tensor  # [batch, seq]
+    paired: bool = False
+    mask: torch.Tensor | None = None  # [batch (pairs), seq]: tokens that count in statistics
+
+
+@dataclass
+class BlockInput:
+    """What one block is called with for one calibration batch."""
+
+    hidden: torch.Tensor
+    args: tuple
+    kwargs: dict
+    source: CalibInput
+
+
+def make_inputs(
+    calib_ids: torch.Tensor | None,
+    pairs: tuple[torch.Tensor, ...] | None = None,
+    batch_size: int = 1,
+) -> list[CalibInput]:
+    """Split plain ids [n, seq] and aligned pairs (ids0, ids1[, mask]) into calibration batches."""
+    inputs = []
+    if calib_ids is not None:
+        inputs += [CalibInput(chunk) for chunk in calib_ids.split(batch_size)]
+    if pairs is not None:
+        ids0, ids1 = pairs[0], pairs[1]
+        mask = pairs[2] if len(pairs) > 2 else None
+        for start in range(0, len(ids0), batch_size):
+            part = slice(start, start + batch_size)
+            both = torch.cat([ids0[part], ids1[part]])
+            inputs.append(CalibInput(both, True, None if mask is None else mask[part]))
+    return inputs
+
+
+class _Captured(Exception):
+    """Raised from block 0's pre-hook: the rest of the model need not run."""
+
+
+@torch.no_grad()
+def capture_block_inputs(model: nn.Module, family: Family, inputs: list[CalibInput], device) -> list[BlockInput]:
+    """Run each batch through the embedding front and keep block 0's call arguments."""
+    first = family.block_list(model)[0]
+    captured: list[BlockInput] = []
+
+    def grab(module, args, kwargs):
+        kwargs = dict(kwargs)
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        captured.append(BlockInput(hidden, tuple(args[1:]), kwargs, current))
+        raise _Captured
+
+    fronts = family.front_modules(model)
+    homes = [_device_of(m) for m in fronts]
+    for module in fronts:
+        module.to(device)
+    handle = first.register_forward_pre_hook(grab, with_kwargs=True)
+    try:
+        for current in inputs:
+            try:
+                model(input_ids=current.ids.to(device), use_cache=False)
+            except _Captured:
+                pass
+    finally:
+        handle.remove()
+        for module, home in zip(fronts, homes):
+            module.to(home)
+    return captured
+
+
+@torch.no_grad()
+def run_layerwise(
+    model: nn.Module,
+    family: Family,
+    inputs: list[CalibInput],
+    device,
+    make_stat: Callable[[str, nn.Module], Any],
+    prune: Callable[[str, nn.Module, Any], None],
+    progress: bool = True,
+    desc: str = "pruning",
+) -> None:
+    """Calibrate and prune block after block; layer names are ``"<block>.<path>"``."""
+    was_training = model.training
+    model.eval()
+    batches = capture_block_inputs(model, family, inputs, device)
+    blocks = family.block_list(model)
+    for index, block in enumerate(tqdm(blocks, desc=desc, disable=not progress, unit="block")):
+        home = _device_of(block)
+        block.to(device)
+        layers = {f"{index}.{name}": layer for name, layer in family.block_linears(block).items()}
+        stats = {name: make_stat(name, layer) for name, layer in layers.items()}
+        _collect(block, layers, stats, batches)
+        for name, layer in layers.items():
+            prune(name, layer, stats.pop(name))
+        batches = [replace(b, hidden=_hidden(block(b.hidden, *b.args, **b.kwargs))) for b in batches]
+        block.to(home)
+    model.train(was_training)
+
+
+def _collect(block: nn.Module, layers: dict, stats: dict, batches: list[BlockInput]) -> None:
+    """Run every batch through ``block`` with hooks feeding each layer's input to its statistic."""
+    current: list[CalibInput] = []
+
+    def hook_for(stat):
+        def hook(layer, args, output):
+            x, source = args[0].detach(), current[0]
+            if source.paired:
+                x0, x1 = x.chunk(2)
+                stat.add_pair(x0, x1, source.mask)
+            else:
+                stat.add_batch(x, source.mask)
+
+        return hook
+
+    handles = [layer.register_forward_hook(hook_for(stats[name])) for name, layer in layers.items()]
+    try:
+        for b in batches:
+            current[:] = [b.source]
+            block(b.hidden, *b.args, **b.kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _hidden(output) -> torch.Tensor:
+    # v5 blocks return a tensor; some (GPT-Neo) still return a tuple whose first item it is.
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _device_of(module: nn.Module) -> torch.device:
+    tensor = next(module.parameters(), None)
+    if tensor is None:
+        tensor = next(module.buffers(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")

@@ -1,0 +1,142 @@
+"""Post-training pruning of causal LMs: magnitude, Wanda, SparseGPT and Debias-SparseGPT.
+
+:func:`prune_causal_lm` is the one entry point the CLI and the post-training callback call. It
+validates the request, asks the family table where the prunable layers are, runs the shared
+layer-sequential calibration (except for magnitude, which needs no data) and reports the
+achieved sparsity: exact zeros over the prunable linear weights of the transformer blocks.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from fairprune.errors import UserError, suggest
+from fairprune.models.families import Family, family_of, linear_weight, set_linear_weight
+from fairprune.pruning.calibration import make_inputs, run_layerwise
+from fairprune.pruning.sparsegpt import Hessian, PairedHessian, check_nm, check_sparsity, sparsegpt_solve
+from fairprune.pruning.wanda import InputNorms, nm_mask, row_mask, wanda_mask
+
+METHODS = ("magnitude", "wanda", "sparsegpt", "debias-sparsegpt")
+
+
+def prune_causal_lm(
+    model: nn.Module,
+    method: str,
+    sparsity: float | None = None,
+    nm: tuple[int, int] | None = None,
+    calib_ids: torch.Tensor | None = None,
+    pairs: tuple[torch.Tensor, ...] | None = None,
+    device: str | torch.device = "cpu",
+    percdamp: float = 0.01,
+    blocksize: int = 128,
+    progress: bool = True,
+    batch_size: int = 1,
+) -> dict:
+    """Prune ``model`` in place and return ``{"layers": {name: sparsity}, "achieved_sparsity", "seconds", ...}``.
+
+    ``calib_ids`` [n, seq]: calibration token ids (Wanda, SparseGPT; optional extra data for
+    Debias-SparseGPT). ``pairs``: ``(ids0, ids1)`` or ``(ids0, ids1, mask)`` token-aligned
+    stereotypical / anti-stereotypical batches (Debias-SparseGPT only), e.g. from
+    ``fairprune.data.text.paired_ids``. Give either ``sparsity`` or ``nm=(N, M)``.
+    """
+    start = time.perf_counter()
+    family = family_of(model)
+    _validate(model, family, method, sparsity, nm, calib_ids, pairs, percdamp, blocksize)
+    solve_seconds = [0.0]
+
+    def prune(name: str, layer: nn.Module, stat) -> None:
+        tick = time.perf_counter()
+        W = linear_weight(layer)
+        if method == "wanda":
+            set_linear_weight(layer, W.masked_fill(wanda_mask(W, stat.value(), sparsity, nm), 0))
+        else:
+            set_linear_weight(layer, sparsegpt_solve(W, stat.value(), sparsity, nm, blocksize, percdamp))
+        solve_seconds[0] += time.perf_counter() - tick
+
+    if method == "magnitude":
+        _prune_magnitude(model, family, sparsity, nm, device, progress)
+    else:
+        stat_class = {"wanda": InputNorms, "sparsegpt": Hessian, "debias-sparsegpt": PairedHessian}[method]
+        make_stat = lambda name, layer: stat_class(linear_weight(layer).shape[1], device=device)  # noqa: E731
+        inputs = make_inputs(calib_ids, pairs, batch_size)
+        run_layerwise(model, family, inputs, device, make_stat, prune, progress, desc=method)
+    layers = sparsity_by_layer(model, family)
+    return {
+        "method": method,
+        "family": family.name,
+        "target_sparsity": float(nm[0] / nm[1]) if nm else float(sparsity),
+        "nm": f"{nm[0]}:{nm[1]}" if nm else None,
+        "achieved_sparsity": layers.pop("__total__"),
+        "layers": layers,
+        "seconds": {"solve": solve_seconds[0], "total": time.perf_counter() - start},
+    }
+
+
+def sparsity_by_layer(model: nn.Module, family: Family) -> dict[str, float]:
+    """Share of exact zeros per prunable block layer, plus ``"__total__"`` over all of them."""
+    out, zeros, total = {}, 0, 0
+    for index, block in enumerate(family.block_list(model)):
+        for name, layer in family.block_linears(block).items():
+            W = layer.weight
+            z = int((W == 0).sum())
+            out[f"{index}.{name}"] = z / W.numel()
+            zeros, total = zeros + z, total + W.numel()
+    out["__total__"] = zeros / max(total, 1)
+    return out
+
+
+@torch.no_grad()
+def _prune_magnitude(model, family: Family, sparsity, nm, device, progress: bool) -> None:
+    """Per layer, the lowest ``|W|`` (layer-wide for unstructured, per row for N:M)."""
+    for block in tqdm(family.block_list(model), desc="magnitude", disable=not progress, unit="block"):
+        for layer in family.block_linears(block).values():
+            W = linear_weight(layer).to(device)
+            score = W.abs().float()
+            if nm is not None:
+                mask = nm_mask(score, *nm)
+            else:
+                # Layer-wide threshold: rank the flattened layer as one row.
+                mask = row_mask(score.reshape(1, -1), sparsity).view_as(W)
+            set_linear_weight(layer, W.masked_fill(mask, 0))
+
+
+def _validate(model, family, method, sparsity, nm, calib_ids, pairs, percdamp, blocksize) -> None:
+    """Reject bad requests before any work is done, with one-line fixes."""
+    if method not in METHODS:
+        raise UserError(f"unknown pruning method {method!r}{suggest(method, METHODS)}; choose one of {', '.join(METHODS)}")
+    if (sparsity is None) == (nm is None):
+        raise UserError("give exactly one of sparsity (e.g. 0.5) or nm (e.g. (2, 4))")
+    if nm is not None:
+        check_nm(nm)
+        for block in family.block_list(model):
+            for name, layer in family.block_linears(block).items():
+                check_nm(nm, linear_weight(layer).shape[1])
+    else:
+        check_sparsity(sparsity)
+    if percdamp < 0 or blocksize < 1:
+        raise UserError(f"percdamp must be >= 0 and blocksize >= 1, got {percdamp} and {blocksize}")
+    if pairs is not None and method != "debias-sparsegpt":
+        raise UserError(f"paired data is used only by debias-sparsegpt, not {method}; drop the pairs or switch method")
+    if method in ("wanda", "sparsegpt") and calib_ids is None:
+        raise UserError(f"{method} needs calibration data: pass calib_ids [n, seqlen] (see fairprune.data.text.calibration_ids)")
+    if method == "debias-sparsegpt" and pairs is None:
+        raise UserError("debias-sparsegpt needs paired data: pass pairs=(ids0, ids1) (see fairprune.data.text.paired_ids)")
+    vocab = model.get_input_embeddings().num_embeddings
+    for ids in ([calib_ids] if calib_ids is not None else []) + list(pairs[:2] if pairs is not None else []):
+        _check_ids(ids, vocab)
+    if pairs is not None and pairs[0].shape != pairs[1].shape:
+        raise UserError(
+            f"pair sides must align token-wise, got shapes {tuple(pairs[0].shape)} and {tuple(pairs[1].shape)}; "
+            "pad or truncate both sides to the same length (fairprune.data.text.paired_ids does)"
+        )
+
+
+def _check_ids(ids: torch.Tensor, vocab: int) -> None:
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.dtype not in (torch.long, torch.int):
+        raise UserError("calibration ids must be an integer tensor [n, seqlen]; tokenize the text first")
+    if ids.numel() and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+        raise UserError(f"token id {int(ids.max())} outside the model vocabulary ({vocab}); use the model's own tokenizer")

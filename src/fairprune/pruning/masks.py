@@ -1,0 +1,118 @@
+"""The one mask core: which weights a method may prune, masks through ``torch.nn.utils.prune``,
+and sparsity accounting.
+
+Every pruning method in fairprune decides *which* weights to keep and hands a boolean keep-mask
+to :func:`apply_mask`; this module owns how masks are stored (``weight_orig`` and ``weight_mask``
+via ``torch.nn.utils.prune``, so checkpoints hold them and training keeps pruned weights at zero)
+and how sparsity is counted (exact zeros over the weights a method targets).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn.utils import prune
+
+PRUNABLE_TYPES: tuple[type[nn.Module], ...] = (nn.Conv2d, nn.Linear)
+
+
+@dataclass(frozen=True)
+class Target:
+    """One prunable weight: the module that owns it and its qualified name."""
+
+    name: str
+    module: nn.Module
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The effective weight (masked when a mask is attached)."""
+        return self.module.weight
+
+    @property
+    def mask(self) -> torch.Tensor:
+        """The current keep-mask (all ones when the weight has never been pruned)."""
+        existing = getattr(self.module, "weight_mask", None)
+        return existing.bool() if existing is not None else torch.ones_like(self.module.weight, dtype=torch.bool)
+
+
+def prunable_targets(
+    model: nn.Module,
+    types: tuple[type[nn.Module], ...] = PRUNABLE_TYPES,
+    include_first: bool = True,
+    include_classifier: bool = True,
+) -> list[Target]:
+    """The Conv2d / Linear weights a method prunes, in registration order.
+
+    ``include_first`` / ``include_classifier`` keep the first layer or the last Linear dense;
+    many pruning papers leave them out because they are small and sensitive.
+    """
+    found = [Target(n, m) for n, m in model.named_modules() if isinstance(m, types) and getattr(m, "weight", None) is not None]
+    if not include_first and found:
+        found = found[1:]
+    if not include_classifier:
+        linears = [i for i, t in enumerate(found) if isinstance(t.module, nn.Linear)]
+        if linears:
+            found.pop(linears[-1])
+    return found
+
+
+def apply_mask(target: Target, keep: torch.Tensor) -> None:
+    """Attach ``keep`` as the weight's mask, replacing (never loosening) any earlier mask."""
+    keep = keep.to(device=target.weight.device, dtype=torch.bool)
+    if keep.shape != target.weight.shape:
+        raise ValueError(f"mask shape {tuple(keep.shape)} does not match weight {target.name} {tuple(target.weight.shape)}")
+    combined = keep & target.mask.to(keep.device)
+    if prune.is_pruned(target.module) and hasattr(target.module, "weight_mask"):
+        prune.remove(target.module, "weight")
+    prune.custom_from_mask(target.module, "weight", combined)
+
+
+def make_permanent(model: nn.Module) -> None:
+    """Fold every mask into its weight (zeros stay zeros) and drop the reparametrisation."""
+    for module in model.modules():
+        if hasattr(module, "weight_mask"):
+            prune.remove(module, "weight")
+
+
+def attach_empty_masks(model: nn.Module, targets: list[Target]) -> None:
+    """Give every target an all-ones mask so that a checkpoint with masks loads into it."""
+    for t in targets:
+        if not hasattr(t.module, "weight_mask"):
+            prune.identity(t.module, "weight")
+
+
+def sparsity_table(targets: list[Target]) -> list[dict[str, float | int | str]]:
+    """Per-layer exact-zero counts of the effective weights."""
+    rows = []
+    for t in targets:
+        w = t.weight.detach()
+        zeros = int((w == 0).sum())
+        rows.append({"layer": t.name, "numel": w.numel(), "zeros": zeros, "sparsity": zeros / max(w.numel(), 1)})
+    return rows
+
+
+def achieved_sparsity(targets: list[Target]) -> float:
+    """Fraction of exact zeros over all target weights."""
+    rows = sparsity_table(targets)
+    total = sum(r["numel"] for r in rows)
+    return sum(r["zeros"] for r in rows) / total if total else 0.0
+
+
+def attach_masks_for(model: nn.Module, state_dict: dict[str, torch.Tensor], prefix: str = "") -> int:
+    """Attach identity masks wherever ``state_dict`` holds ``<module>.weight_mask``.
+
+    A pruned checkpoint stores ``weight_orig`` / ``weight_mask``; a freshly built model has plain
+    ``weight``. Giving the model the same reparametrisation first lets the checkpoint load
+    strictly. Returns how many masks were attached.
+    """
+    attached = 0
+    for key in state_dict:
+        if not key.startswith(prefix) or not key.endswith(".weight_mask"):
+            continue
+        module = model.get_submodule(key[len(prefix): -len(".weight_mask")])
+        if not hasattr(module, "weight_mask"):
+            prune.identity(module, "weight")
+            attached += 1
+    return attached

@@ -1,0 +1,210 @@
+"""SparseGPT: one-shot pruning of a linear layer with optimal-brain-surgeon error feedback.
+
+Given calibration inputs ``X`` of a layer, the solver prunes ``W`` ([out, in]) column by column
+and, after each column, spreads that column's pruning error over the columns not yet visited,
+using the inverse Hessian of the layer-wise reconstruction loss ``‖WX − ŴX‖²``. It follows the
+reference implementation (Frantar & Alistarh, 2023): columns in blocks of 128, the mask chosen
+by ``w² / diag(Hinv)²`` (per block for unstructured sparsity, per M columns for N:M), error
+feedback inside a block and one lazy update of the remaining columns after each block.
+
+Two Hessians feed the same solver:
+
+* :class:`Hessian` — ``H = 2/n Σ XXᵀ``, n the number of calibration sequences (running average).
+* :class:`PairedHessian` — Debias-SparseGPT: ``H = 1/P Σ_pairs (X0X0ᵀ + X1X1ᵀ + 2ΔXΔXᵀ)`` with
+  ``ΔX = X0 − X1`` the activation difference of two token-aligned sentences (stereotypical /
+  anti-stereotypical). Every pair has the same weight. Optional unpaired text adds the plain
+  SparseGPT Hessian ``2/N Σ XXᵀ`` (its own average, then summed): the paired term without its
+  ΔX part is ≈ two sentences' second moment, so both sources carry comparable weight while the
+  ``2ΔXΔXᵀ`` term makes directions in which the pair differs expensive to disturb.
+
+Both are plain tensors; under ``torch.distributed`` they are summed across processes in
+:meth:`value` (each weighted by its sample count, so the result is the global average).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from fairprune.errors import UserError
+
+
+def check_sparsity(sparsity: float) -> None:
+    """Unstructured sparsity must lie in [0, 1)."""
+    if not 0.0 <= float(sparsity) < 1.0:
+        raise UserError(f"sparsity must be in [0, 1), got {sparsity}; e.g. --sparsity 0.5")
+
+
+def check_nm(nm: tuple[int, int], width: int | None = None) -> None:
+    """N:M needs 1 ≤ N < M, and M must divide the layer width when one is given."""
+    n, m = nm
+    if not 1 <= n < m:
+        raise UserError(f"N:M sparsity needs 1 <= N < M, got {n}:{m}; e.g. 2:4")
+    if width is not None and width % m:
+        raise UserError(f"N:M sparsity {n}:{m}: M={m} does not divide the layer width {width}; pick an M that does")
+
+
+def _tokens(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Flatten [batch, seq, cols] (or [seq, cols]) to [tokens, cols], keeping masked-in tokens."""
+    if mask is not None:
+        x = x[mask.to(x.device, torch.bool)]
+    return x.reshape(-1, x.shape[-1]).float()
+
+
+def _batch_size(x: torch.Tensor) -> int:
+    return x.shape[0] if x.dim() > 2 else 1
+
+
+def _global_average(avg: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
+    """Combine per-process running averages into the global one (identity without a group)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return avg, count
+    total = avg * count
+    n = torch.tensor([float(count)], device=avg.device)
+    dist.all_reduce(total)
+    dist.all_reduce(n)
+    return total / n.clamp(min=1), int(n.item())
+
+
+class Hessian:
+    """Running ``H = 2/n Σ XXᵀ`` over calibration sequences, fed by :meth:`add_batch`."""
+
+    def __init__(self, columns: int, device=None, dtype=torch.float32):
+        self.H = torch.zeros(columns, columns, device=device, dtype=dtype)
+        self.count = 0
+
+    def add_batch(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Add inputs ``x`` [batch, seq, cols]; ``mask`` [batch, seq] selects the tokens that count."""
+        b = _batch_size(x)
+        rows = _tokens(x, mask).to(self.H.dtype)
+        # Rescale before adding so H stays an average (keeps fp32 well-ranged for long runs).
+        self.H *= self.count / (self.count + b)
+        self.count += b
+        rows = rows * math.sqrt(2 / self.count)
+        self.H += rows.T @ rows
+
+    def value(self) -> torch.Tensor:
+        """The Hessian, averaged over every process of a distributed run."""
+        return _global_average(self.H, self.count)[0]
+
+
+class PairedHessian:
+    """Debias-SparseGPT Hessian: paired term plus an optional plain term (see module docstring)."""
+
+    def __init__(self, columns: int, device=None, dtype=torch.float32):
+        self.P = torch.zeros(columns, columns, device=device, dtype=dtype)
+        self.pairs = 0
+        self.plain = Hessian(columns, device, dtype)
+
+    def add_pair(self, x0: torch.Tensor, x1: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Add the inputs of two token-aligned batches (same shape: side 0 and side 1 of each pair)."""
+        if x0.shape != x1.shape:
+            raise UserError(
+                f"paired inputs must align token-wise, got shapes {tuple(x0.shape)} and {tuple(x1.shape)}; "
+                "pad or truncate both sides of every pair to the same length"
+            )
+        b = _batch_size(x0)
+        a, c = _tokens(x0, mask).to(self.P.dtype), _tokens(x1, mask).to(self.P.dtype)
+        d = a - c
+        # Running mean over pairs: every pair gets weight 1/P, early or late.
+        self.P *= self.pairs / (self.pairs + b)
+        self.pairs += b
+        self.P += (a.T @ a + c.T @ c + 2 * d.T @ d) / self.pairs
+
+    def add_batch(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        """Add unpaired inputs (plain SparseGPT term)."""
+        self.plain.add_batch(x, mask)
+
+    def value(self) -> torch.Tensor:
+        """Paired term plus plain term, each averaged over every process."""
+        paired, _ = _global_average(self.P, self.pairs)
+        plain, n_plain = _global_average(self.plain.H, self.plain.count)
+        return paired + plain if n_plain else paired
+
+
+def inverse_hessian_cholesky(H: torch.Tensor, percdamp: float = 0.01, retries: int = 4) -> torch.Tensor:
+    """Upper Cholesky factor of ``(H + λI)⁻¹`` with ``λ = percdamp·mean(diag H)``.
+
+    If a factorisation fails, retry with ten times more damping (warning each time); after
+    ``retries`` attempts raise :class:`UserError` rather than fall back to an identity.
+    """
+    mean_diag = H.diagonal().mean()
+    for attempt in range(retries + 1):
+        damped = H.clone()
+        damped.diagonal().add_(percdamp * mean_diag)
+        L, info = torch.linalg.cholesky_ex(damped)
+        if info.item() == 0:
+            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            if info.item() == 0 and torch.isfinite(U).all():
+                return U
+        if attempt < retries:
+            percdamp = percdamp * 10 if percdamp > 0 else 0.01
+            warnings.warn(f"SparseGPT: Hessian not positive definite; retrying with percdamp={percdamp:g}")
+    raise UserError(
+        f"SparseGPT: Hessian is not positive definite even with percdamp={percdamp:g}; "
+        "use more calibration samples or a larger percdamp"
+    )
+
+
+def sparsegpt_solve(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    sparsity: float | None = None,
+    nm: tuple[int, int] | None = None,
+    blocksize: int = 128,
+    percdamp: float = 0.01,
+) -> torch.Tensor:
+    """Prune ``W`` [out, in] against Hessian ``H`` [in, in]; return the updated copy in H's dtype.
+
+    Give ``sparsity`` (unstructured; exactly ``floor(sparsity·out·in)`` weights are removed) or
+    ``nm`` (N of every M consecutive input columns per output row). Zeros of the result are the mask.
+    """
+    rows, cols = W.shape
+    if nm is not None:
+        check_nm(nm, cols)
+        n, m = nm
+        blocksize = max(m, blocksize // m * m)  # an N:M group never straddles two blocks
+    else:
+        check_sparsity(sparsity)
+    W = W.to(H.dtype, copy=True)
+    H = H.clone()
+    dead = H.diagonal() == 0  # inputs that are always zero: weight is irrelevant, prune it
+    H[dead, dead] = 1
+    W[:, dead] = 0
+    Hinv = inverse_hessian_cholesky(H, percdamp)
+
+    for i1 in range(0, cols, blocksize):
+        i2 = min(i1 + blocksize, cols)
+        W1, Hinv1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
+        d = Hinv1.diagonal()
+        Err1 = torch.zeros_like(W1)
+        if nm is None:
+            # Cumulative floor so the layer total is exact whatever the block widths.
+            k = math.floor(sparsity * rows * i2) - math.floor(sparsity * rows * i1)
+            mask1 = _lowest(W1**2 / d**2, k)
+        else:
+            mask1 = torch.zeros_like(W1, dtype=torch.bool)
+        for i in range(i2 - i1):
+            if nm is not None and i % m == 0:
+                score = W1[:, i : i + m] ** 2 / d[i : i + m] ** 2
+                mask1[:, i : i + m].scatter_(1, score.topk(n, dim=1, largest=False).indices, True)
+            w = W1[:, i]
+            q = w.masked_fill(mask1[:, i], 0)
+            err = (w - q) / d[i]
+            W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
+            W1[:, i] = q  # exact zeros (the update leaves rounding residue)
+            Err1[:, i] = err
+        W[:, i1:i2] = W1
+        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # lazy update of the columns after this block
+    return W
+
+
+def _lowest(score: torch.Tensor, k: int) -> torch.Tensor:
+    """Boolean mask of the ``k`` smallest entries of ``score``."""
+    mask = torch.zeros(score.numel(), dtype=torch.bool, device=score.device)
+    if k > 0:
+        mask[score.flatten().topk(k, largest=False).indices] = True
+    return mask.view_as(score)

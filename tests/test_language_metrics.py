@@ -1,0 +1,246 @@
+"""Language metrics and text data: perplexity against a plain per-token loop, the stereotype
+score on pairs with a known answer, the StereoSet / CrowS-Pairs readers, the bundled corpus and
+pair set, the BPE tokenizer and the calibration batches."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import transformers as tf
+from torch import nn
+
+from fairprune.data.text import (
+    calibration_ids, encode_sentence, lm_corpus, paired_ids, stereo_pairs, train_bpe_tokenizer, write_lm_corpus,
+    write_stereo_set,
+)
+from fairprune.errors import UserError
+from fairprune.metrics.language import (
+    perplexity, read_crows_pairs, read_pairs, read_stereoset, sentence_log_likelihoods, stereotype_score,
+)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny matrices gain nothing from threads, and on a shared 2-core machine they thrash."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return lm_corpus(train_docs=300, validation_docs=40)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus, tmp_path_factory):
+    return train_bpe_tokenizer(corpus.train, 400, tmp_path_factory.mktemp("tok"))
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    torch.manual_seed(0)
+    config = tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=len(tokenizer), n_positions=64,
+                           bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id)
+    return tf.GPT2LMHeadModel(config).eval()
+
+
+# --------------------------------------------------------------------------------------------
+# Perplexity
+# --------------------------------------------------------------------------------------------
+
+
+def plain_perplexity(model, ids: torch.Tensor, seqlen: int) -> float:
+    """One window at a time, one token at a time: -log softmax of the next token."""
+    nll, count = 0.0, 0
+    for w in range(len(ids) // seqlen):
+        window = ids[w * seqlen : (w + 1) * seqlen]
+        with torch.no_grad():
+            logits = model(window[None]).logits[0].double()
+        for t in range(seqlen - 1):
+            nll -= float(torch.log_softmax(logits[t], -1)[window[t + 1]])
+            count += 1
+    return math.exp(nll / count)
+
+
+def test_perplexity_matches_plain_loop(model, tokenizer, corpus):
+    docs = corpus.validation.split("\n\n")[:6]
+    ids = tokenizer("\n\n".join(docs), return_tensors="pt").input_ids[0]
+    want = plain_perplexity(model, ids, 32)
+    assert perplexity(model, docs, tokenizer, seqlen=32) == pytest.approx(want, rel=1e-6)
+    assert perplexity(model, ids, seqlen=32, batch_size=3) == pytest.approx(want, rel=1e-6)
+    # An untrained model is close to uniform over the vocabulary.
+    assert 0.5 * len(tokenizer) < want < 2 * len(tokenizer)
+
+
+def test_perplexity_rejects_bad_inputs(model, tokenizer):
+    with pytest.raises(UserError, match="fewer than one window"):
+        perplexity(model, "too short", tokenizer, seqlen=32)
+    with pytest.raises(UserError, match="context length"):
+        perplexity(model, torch.arange(500) % 100, seqlen=128)
+    with pytest.raises(UserError, match="tokenizer"):
+        perplexity(model, "some text", None, seqlen=8)
+
+
+# --------------------------------------------------------------------------------------------
+# Stereotype score
+# --------------------------------------------------------------------------------------------
+
+
+class UnigramLM(nn.Module):
+    """A causal LM whose next-token distribution is fixed: log-likelihoods are known in closed form."""
+
+    def __init__(self, logits: torch.Tensor):
+        super().__init__()
+        self.table = nn.Parameter(logits.clone())
+        self.config = tf.PretrainedConfig()
+
+    def forward(self, input_ids, attention_mask=None, use_cache=False):
+        return tf.modeling_outputs.CausalLMOutput(logits=self.table.expand(*input_ids.shape, -1))
+
+
+def test_stereotype_score_known_answer(tokenizer):
+    she, he = tokenizer.convert_tokens_to_ids(["Ġshe", "Ġhe"])
+    assert tokenizer.unk_token_id not in (she, he) and she != he
+    logits = torch.zeros(len(tokenizer))
+    logits[she] = 4.0  # " she" is far more likely than " he"; everything else is equal
+    lm = UnigramLM(logits)
+    pairs = [
+        ("The nurse said that she left.", "The nurse said that he left."),  # stereotype wins
+        ("The cashier knew she was late.", "The cashier knew he was late."),  # stereotype wins
+        ("The pilot said that he left.", "The pilot said that she left."),  # anti wins
+        ("The clerk left.", "The clerk left."),  # tie: one half
+    ]
+    assert stereotype_score(lm, tokenizer, pairs) == pytest.approx((1 + 1 + 0 + 0.5) / 4)
+
+
+def test_sentence_log_likelihood_padding_and_direct(model, tokenizer):
+    sentences = [a for a, _ in stereo_pairs()[:5]] + ["A much longer sentence about the old mill near the river bank."]
+    batched = sentence_log_likelihoods(model, tokenizer, sentences, batch_size=6)
+    single = sentence_log_likelihoods(model, tokenizer, sentences, batch_size=1)
+    torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-5)
+    ids = encode_sentence(tokenizer, sentences[-1])
+    assert ids[0] == tokenizer.eos_token_id
+    with torch.no_grad():
+        logp = model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+    direct = sum(float(logp[t, ids[t + 1]]) for t in range(len(ids) - 1))
+    assert float(single[-1]) == pytest.approx(direct, rel=1e-6)
+    assert 0.0 <= stereotype_score(model, tokenizer, stereo_pairs()[:20]) <= 1.0
+
+
+# --------------------------------------------------------------------------------------------
+# Readers and the bundled pair set
+# --------------------------------------------------------------------------------------------
+
+
+def test_bundled_stereo_set_round_trips_through_reader(tmp_path):
+    path = write_stereo_set(tmp_path)
+    pairs = read_stereoset(path)
+    assert pairs == stereo_pairs() == read_pairs(path)
+    assert len(pairs) >= 200 and len(set(pairs)) == len(pairs)
+    items = json.loads(path.read_text())["data"]["intrasentence"]
+    labels = {s["gold_label"] for item in items for s in item["sentences"]}
+    assert labels == {"stereotype", "anti-stereotype", "unrelated"}
+    assert all("BLANK" in item["context"] for item in items)
+
+
+def test_crows_pairs_reader_swaps_antistereo_rows(tmp_path):
+    path = tmp_path / "crows.csv"
+    path.write_text(
+        "sent_more,sent_less,stereo_antistereo,bias_type\n"
+        '"Poor people steal.","Rich people steal.",stereo,socioeconomic\n'
+        '"Women are strong.","Men are strong.",antistereo,gender\n'
+    )
+    assert read_crows_pairs(path) == [
+        ("Poor people steal.", "Rich people steal."),
+        ("Men are strong.", "Women are strong."),
+    ]
+    plain = tmp_path / "plain.csv"
+    plain.write_text("sent_more,sent_less\nA b.,C d.\n")
+    assert read_pairs(plain) == [("A b.", "C d.")]
+
+
+@pytest.mark.parametrize(
+    "name,content,match",
+    [
+        ("bad.json", "{not json", "not valid JSON"),
+        ("empty.json", json.dumps({"data": {"intersentence": []}}), "intrasentence"),
+        ("noanti.json", json.dumps({"data": {"intrasentence": [
+            {"sentences": [{"sentence": "x", "gold_label": "stereotype"}]}]}}), "anti-stereotype"),
+        ("cols.csv", "sentence,label\na,b\n", "sent_less"),
+        ("blank.csv", "sent_more,sent_less\nonly one,\n", "empty"),
+        ("pairs.txt", "x", "unknown pair-set format"),
+    ],
+)
+def test_malformed_pair_files_raise_user_error(tmp_path, name, content, match):
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(UserError, match=match) as err:
+        read_pairs(path)
+    assert "\n" not in str(err.value)
+
+
+def test_missing_pair_file_raises_user_error(tmp_path):
+    with pytest.raises(UserError, match="not found"):
+        read_stereoset(tmp_path / "nope.json")
+    with pytest.raises(UserError, match="not found"):
+        read_crows_pairs(tmp_path / "nope.csv")
+
+
+# --------------------------------------------------------------------------------------------
+# Corpus, tokenizer, calibration batches
+# --------------------------------------------------------------------------------------------
+
+
+def test_corpus_is_deterministic_and_split(corpus, tmp_path):
+    again = lm_corpus(train_docs=300, validation_docs=40)
+    assert again == corpus
+    assert lm_corpus(train_docs=300, validation_docs=40, seed=1) != corpus
+    train_docs, val_docs = corpus.train.split("\n\n"), corpus.validation.split("\n\n")
+    assert (len(train_docs), len(val_docs)) == (300, 40)
+    assert not set(train_docs) & set(val_docs)
+    assert len(set(corpus.train.split())) > 300  # varied vocabulary
+    paths = write_lm_corpus(tmp_path, train_docs=5, validation_docs=2)
+    assert paths["validation"].read_text() == lm_corpus(train_docs=5, validation_docs=2).validation
+
+
+def test_tokenizer_saves_and_reloads(tokenizer, tmp_path, corpus):
+    tokenizer.save_pretrained(tmp_path)
+    loaded = tf.AutoTokenizer.from_pretrained(tmp_path)
+    text = corpus.validation[:300]
+    assert loaded(text).input_ids == tokenizer(text).input_ids
+    assert loaded.decode(loaded(text).input_ids) == text  # byte-level BPE is lossless
+    assert loaded.eos_token_id is not None and loaded.pad_token_id not in (None, loaded.eos_token_id)
+    with pytest.raises(UserError, match="vocab_size"):
+        train_bpe_tokenizer(["abc"], 100)
+
+
+def test_calibration_ids_are_windows_of_the_stream(tokenizer, corpus):
+    ids = calibration_ids(tokenizer, corpus.validation, nsamples=5, seqlen=24, seed=3)
+    stream = tokenizer(corpus.validation).input_ids
+    assert ids.shape == (5, 24) and ids.dtype == torch.long
+    text = " " + " ".join(map(str, stream)) + " "
+    assert all(" " + " ".join(map(str, row.tolist())) + " " in text for row in ids)
+    assert torch.equal(ids, calibration_ids(tokenizer, corpus.validation, 5, 24, seed=3))
+    assert not torch.equal(ids, calibration_ids(tokenizer, corpus.validation, 5, 24, seed=4))
+    with pytest.raises(UserError, match="fewer than one window"):
+        calibration_ids(tokenizer, "tiny", 2, 24)
+
+
+def test_paired_ids_align_and_mask(tokenizer):
+    pairs = stereo_pairs()[:3] + [("Short one.", "A clearly much longer second sentence here.")]
+    ids0, ids1, mask = paired_ids(tokenizer, pairs, seqlen=64)
+    assert ids0.shape == ids1.shape == mask.shape
+    for i, (a, b) in enumerate(pairs):
+        ea, eb = encode_sentence(tokenizer, a), encode_sentence(tokenizer, b)
+        assert ids0[i, : len(ea)].tolist() == ea and ids1[i, : len(eb)].tolist() == eb
+        assert (ids0[i, len(ea) :] == tokenizer.pad_token_id).all()
+        assert int(mask[i].sum()) == max(len(ea), len(eb))
+    short0, short1, short_mask = paired_ids(tokenizer, pairs, seqlen=6)
+    assert short0.shape == (4, 6) and short_mask.all()
+    with pytest.raises(UserError):
+        paired_ids(tokenizer, [], seqlen=8)
