@@ -14,7 +14,7 @@ random but LLM-like: correlated columns, uneven channel scales and a few outlier
 
 Writes ``bench/results/sparsegpt.json`` and ``.md``.
 
-    python bench/sparsegpt.py [--tokens 2048] [--oracle-rows 128] [--device cpu]
+    python bench/sparsegpt.py [--tokens 2048] [--oracle-rows 64] [--device cpu]
 """
 
 from __future__ import annotations
@@ -94,8 +94,8 @@ def bench_layer(name: str, shape, seed: int, args) -> dict:
     device = args.device
     g = torch.Generator().manual_seed(seed)
     W = (torch.randn(rows, cols, generator=g) / math.sqrt(cols)).to(device)
-    X = llm_like_inputs(args.tokens, cols, seed=1, device=device)
-    X_test = llm_like_inputs(args.tokens // 2, cols, seed=2, device=device)
+    # One distribution: calibrate on the first tokens, measure on the held-out rest.
+    X, X_test = llm_like_inputs(args.tokens * 3 // 2, cols, seed=1, device=device).split([args.tokens, args.tokens // 2])
     H = 2 / len(X) * X.T @ X
     norms = X.norm(dim=0)
     result = {"shape": [rows, cols], "error": {}, "speed": {}}
@@ -157,7 +157,7 @@ def markdown(report: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tokens", type=int, default=2048)
-    parser.add_argument("--oracle-rows", type=int, default=128)
+    parser.add_argument("--oracle-rows", type=int, default=64)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "sparsegpt")
     args = parser.parse_args()

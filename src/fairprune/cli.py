@@ -20,6 +20,7 @@ import torch
 from jsonargparse import ArgumentError
 from lightning.pytorch.cli import LightningCLI
 
+from fairprune.callbacks.progress import ProgressBar
 from fairprune.callbacks.report import ReportWriter
 from fairprune.errors import UserError
 
@@ -47,6 +48,7 @@ class FairpruneCLI(LightningCLI):
     def add_arguments_to_parser(self, parser: Any) -> None:
         # Always present, whatever callbacks a config lists: every run writes its report.
         parser.add_lightning_class_args(ReportWriter, "report")
+        parser.add_lightning_class_args(ProgressBar, "progress_bar")
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config

@@ -55,6 +55,9 @@ class ReportWriter(L.Callback):
             "split": stage,
         }
         report.update(self._fields(trainer))
+        reference = report.get("reference")
+        if isinstance(reference, dict) and stage in reference:  # per-split references: keep this split's
+            report["reference"] = {"method": reference.get("method", "dense"), **reference[stage]}
         report["achieved_sparsity"] = achieved_sparsity(targets)
         report.update(split_results(results))
         report.setdefault("seconds", {})["total"] = time.perf_counter() - self._start

@@ -29,6 +29,7 @@ import hashlib
 import os
 import re
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
@@ -368,7 +369,11 @@ def drop_unreadable(frame: pd.DataFrame) -> pd.DataFrame:
     ``verify`` reads headers and structure without decoding pixels, so this is cheap enough
     to run over a whole dataset once; damage it misses is handled by :class:`FaceDataset`.
     """
-    readable = np.array([_verifies(path) for path in frame["path"]], dtype=bool)
+    with ThreadPoolExecutor(max_workers=8) as pool:  # opening files is I/O-bound
+        readable = np.fromiter(pool.map(_verifies, frame["path"]), dtype=bool, count=len(frame))
+    if len(frame) and not readable.any():
+        raise UserError(f"none of the {len(frame)} images could be read, e.g. "
+                        f"'{frame['path'].iloc[0]}'; check --data.root and the files' permissions")
     if not readable.all():
         warnings.warn(f"dropped {int((~readable).sum())} unreadable image(s) of {len(frame)}, "
                       f"e.g. '{frame['path'][~readable].iloc[0]}'", stacklevel=2)
@@ -386,8 +391,12 @@ def _verifies(path: str) -> bool:
 
 
 def face_transform(image_size: int, augment: bool = False) -> v2.Compose:
-    """Resize to a square, scale to float in [0, 1], normalise with ImageNet statistics."""
-    steps = [v2.ToImage(), v2.Resize((image_size, image_size), antialias=True)]
+    """Resize and centre-crop to a square, scale to float in [0, 1], normalise (ImageNet).
+
+    Resizing the shorter side and cropping keeps CelebA's 178x218 faces undistorted; square
+    images (UTKFace, FairFace, synthetic) are simply resized.
+    """
+    steps = [v2.ToImage(), v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)]
     if augment:
         steps.append(v2.RandomHorizontalFlip())
     steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
@@ -398,8 +407,8 @@ class FaceDataset(Dataset):
     """Images of a frame as ``(image, target, group)``; target and group are int64 tensors.
 
     An image that fails to load is replaced by the next one (in frame order) that loads, so a
-    damaged file never stops an epoch; ``num_failed`` counts the failures (per process: with
-    DataLoader workers each worker keeps its own count).
+    damaged file never stops an epoch; ``num_failed`` counts the failures. The count lives in
+    shared memory, so failures inside DataLoader worker processes are counted too.
     """
 
     def __init__(self, frame: pd.DataFrame, transform=None):
@@ -407,10 +416,15 @@ class FaceDataset(Dataset):
         self.targets = torch.tensor(frame["target"].to_numpy(np.int64))
         self.groups = torch.tensor(frame["group"].to_numpy(np.int64))
         self.transform = transform or v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True)])
-        self.num_failed = 0
+        self._failures = torch.zeros(1, dtype=torch.int64).share_memory_()
 
     def __len__(self) -> int:
         return len(self.paths)
+
+    @property
+    def num_failed(self) -> int:
+        """How many image loads failed (and were substituted) so far, over all processes."""
+        return int(self._failures.item())
 
     def __getitem__(self, index: int):
         for offset in range(len(self)):
@@ -426,7 +440,7 @@ class FaceDataset(Dataset):
 
     def _failed(self, path: str) -> None:
         """Count a failed load; warn on the first only, so a bad disk does not flood the log."""
-        self.num_failed += 1
+        self._failures += 1
         if self.num_failed == 1:
             warnings.warn(f"could not load '{path}'; using the next image instead "
                           f"(dataset.num_failed counts these)", stacklevel=3)

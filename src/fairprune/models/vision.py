@@ -125,10 +125,12 @@ class VisionClassifier(L.LightningModule):
         return captured[0]
 
     # -- reference for degradation ---------------------------------------------------------------
-    def set_reference(self, accuracy_by_group: dict[str, float]) -> None:
-        """Store the dense model's per-group accuracy; later evaluations report degradation."""
-        for metric in self.stage_metrics.values():
-            metric.set_reference(accuracy_by_group)
+    def set_reference(self, accuracy_by_group: dict[str, float], stage: str | None = None) -> None:
+        """Store the dense model's per-group accuracy (for one stage, or all); later evaluations
+        of that stage report each group's degradation."""
+        for name, metric in self.stage_metrics.items():
+            if stage in (None, name):
+                metric.set_reference(accuracy_by_group)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # A pruned checkpoint holds weight_orig / weight_mask: mirror that before the state loads.

@@ -302,7 +302,7 @@ def _pick_kernel(imp_by_weight, orders, targets, quota):  # pragma: no cover - c
         while kept[orders[group, pos]]:
             pos += 1
         weight = orders[group, pos]
-        next_pos[group] = pos
+        next_pos[group] = pos + 1
         kept[weight] = True
         for j in range(num_groups):
             sums[j] += imp_by_weight[weight, j]

@@ -1,0 +1,306 @@
+"""Iterative pruning during training: FairGRAPE and its baselines as one Lightning callback.
+
+Schedule: dense training for ``start_epoch`` epochs, then a pruning step every ``retrain_epochs``
+epochs; each step keeps ``keep_per_iter`` of the remaining weights (density ``keep_per_iter**i``)
+until the density reaches ``1 − target_sparsity`` exactly, and the model retrains between steps.
+Pruned weights never return: masks live in ``torch.nn.utils.prune`` reparametrisations (see
+:mod:`fairprune.pruning.masks`), so checkpoints carry them and optimizer steps keep them at zero.
+
+Methods:
+
+- ``fairgrape``: per-group importance ``(g·w)²`` and greedy selection that keeps each group's share
+  of importance, per layer (:mod:`fairprune.pruning.fairgrape`);
+- ``magnitude`` (WS, per layer), ``random`` (per layer), ``lottery`` (per-layer magnitude, then the
+  kept weights rewind to their values at ``rewind_epoch``);
+- ``snip`` (|g·w|, one batch, global) and ``grasp`` (−w·Hg, global).
+
+At the first step the dense model's per-group validation figures become the reference: from then
+on every validation logs each group's degradation and their std / variance, and the report carries
+the dense figures under ``reference``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from typing import Any
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+
+from fairprune.errors import UserError, suggest
+from fairprune.metrics.group import GroupRates
+from fairprune.pruning import importance as imp
+from fairprune.pruning.fairgrape import greedy_select, group_share_report, layer_quota
+from fairprune.pruning.masks import Target, achieved_sparsity, apply_mask, prunable_targets, sparsity_table
+from fairprune.reports import split_results
+
+METHODS = ("fairgrape", "magnitude", "snip", "grasp", "random", "lottery")
+PER_LAYER = ("fairgrape", "magnitude", "random", "lottery")
+
+
+def density_schedule(target_sparsity: float, keep_per_iter: float) -> list[float]:
+    """Densities after each step: ``keep**1, keep**2, ...`` clipped to ``1 − target`` at the end."""
+    final = 1.0 - target_sparsity
+    densities, d = [], 1.0
+    while d > final + 1e-12:
+        d = max(d * keep_per_iter, final)
+        densities.append(d)
+    return densities
+
+
+def _top_k_mask(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep the ``k`` best-scoring candidates (ties: lower index first); never revive a pruned one."""
+    flat = torch.where(candidates.flatten(), scores.flatten().double(), torch.tensor(-math.inf, dtype=torch.float64))
+    order = torch.sort(flat, descending=True, stable=True).indices[:k]
+    keep = torch.zeros_like(flat, dtype=torch.bool)
+    keep[order] = True
+    return keep.view_as(candidates) & candidates
+
+
+class IterativePruning(L.Callback):
+    """Prune iteratively while training, with retraining between steps.
+
+    Args:
+        method: one of ``fairgrape, magnitude, snip, grasp, random, lottery``.
+        target_sparsity: final fraction of zeros in every targeted layer (global for snip / grasp).
+        keep_per_iter: fraction of the remaining weights kept per step (FairGRAPE: 0.9).
+        retrain_epochs: epochs of retraining after each step.
+        start_epoch: dense epochs before the first step (0 when pruning a trained model).
+        importance_fraction: share of the training set used to score weights (group-stratified).
+        groups: ``labels`` (the data's sensitive attribute) or ``kmeans`` (clusters of backbone
+            embeddings, for data without group labels; evaluation still uses true labels).
+        num_clusters: clusters for ``groups: kmeans`` (default: the data's number of groups).
+        include_first / include_classifier: prune the first layer / the last Linear too.
+        score_batches: batches used by SNIP and GraSP.
+        rewind_epoch: lottery ticket: epoch whose starting weights the kept weights rewind to.
+        seed: seeds random pruning and k-means.
+    """
+
+    def __init__(
+        self,
+        method: str = "fairgrape",
+        target_sparsity: float = 0.9,
+        keep_per_iter: float = 0.9,
+        retrain_epochs: int = 1,
+        start_epoch: int = 0,
+        importance_fraction: float = 0.2,
+        groups: str = "labels",
+        num_clusters: int | None = None,
+        include_first: bool = True,
+        include_classifier: bool = True,
+        score_batches: int = 1,
+        rewind_epoch: int = 0,
+        seed: int = 0,
+    ) -> None:
+        if method not in METHODS:
+            raise UserError(f"unknown pruning method '{method}'{suggest(method, METHODS)}; choose one of {', '.join(METHODS)}")
+        if not 0.0 <= target_sparsity < 1.0:
+            raise UserError(f"target_sparsity must be in [0, 1), got {target_sparsity}")
+        if not 0.0 < keep_per_iter < 1.0:
+            raise UserError(f"keep_per_iter must be in (0, 1), got {keep_per_iter}; FairGRAPE uses 0.9")
+        if retrain_epochs < 1 or start_epoch < 0 or score_batches < 1:
+            raise UserError("retrain_epochs and score_batches must be >= 1 and start_epoch >= 0")
+        if not 0.0 < importance_fraction <= 1.0:
+            raise UserError(f"importance_fraction must be in (0, 1], got {importance_fraction}")
+        if groups not in ("labels", "kmeans"):
+            raise UserError(f"groups must be 'labels' or 'kmeans', got '{groups}'")
+        self.method, self.target_sparsity, self.keep_per_iter = method, target_sparsity, keep_per_iter
+        self.retrain_epochs, self.start_epoch = retrain_epochs, start_epoch
+        self.importance_fraction, self.groups, self.num_clusters = importance_fraction, groups, num_clusters
+        self.include_first, self.include_classifier = include_first, include_classifier
+        self.score_batches, self.rewind_epoch, self.seed = score_batches, rewind_epoch, seed
+        self.densities = density_schedule(target_sparsity, keep_per_iter)
+        self.steps_done = 0
+        self.reference: dict[str, float] | None = None
+        self.history: list[dict[str, Any]] = []
+        self.shares: list[dict[str, Any]] = []
+        self._rewind: dict[str, torch.Tensor] | None = None
+        self._group_labels: list[str] = []
+
+    # -- schedule --------------------------------------------------------------------------------
+    @property
+    def last_epoch_needed(self) -> int:
+        """Epochs a fit needs to take every step and retrain after the last one."""
+        return self.start_epoch + len(self.densities) * self.retrain_epochs
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        needed = self.last_epoch_needed
+        if trainer.max_epochs is not None and 0 <= trainer.max_epochs < needed:
+            print(f"[prune] {len(self.densities)} pruning steps need {needed} epochs; raising max_epochs from {trainer.max_epochs}")
+            trainer.fit_loop.max_epochs = needed
+        self._push_reference(pl_module)  # after a resume, the restored reference goes back to the metrics
+        datamodule = trainer.datamodule
+        if self.groups == "labels" and getattr(datamodule, "hparams", {}).get("sensitive", "x") is None:
+            raise UserError("the data has no sensitive attribute; set data.sensitive or use the callback's groups: kmeans")
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        epoch = trainer.current_epoch
+        if self.method == "lottery" and epoch == self.rewind_epoch and self._rewind is None:
+            self._rewind = {t.name: _weight_param(t).detach().clone() for t in self._targets(pl_module)}
+        due = self.start_epoch + self.steps_done * self.retrain_epochs
+        if self.steps_done < len(self.densities) and epoch >= due:
+            self.prune_step(trainer, pl_module)
+
+    # -- one step --------------------------------------------------------------------------------
+    def _targets(self, pl_module: L.LightningModule) -> list[Target]:
+        return prunable_targets(pl_module, include_first=self.include_first, include_classifier=self.include_classifier)
+
+    def prune_step(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        density = self.densities[self.steps_done]
+        was_training = pl_module.training
+        pl_module.eval()  # deterministic scores: no dropout, BatchNorm uses running statistics
+        start = time.perf_counter()
+        if self.reference is None:
+            self._set_reference(trainer, pl_module)
+        targets = self._targets(pl_module)
+        with torch.enable_grad():
+            scores = self._scores(trainer, pl_module, targets)
+        scored = time.perf_counter()
+        keeps = self._select(targets, scores, density)
+        for target, keep in zip(targets, keeps):
+            apply_mask(target, keep)
+        if self.method == "lottery" and self._rewind is not None:
+            with torch.no_grad():
+                for t in targets:
+                    _weight_param(t).copy_(self._rewind[t.name].to(_weight_param(t).device))
+        selected = time.perf_counter()
+        pl_module.train(was_training)
+        self.steps_done += 1
+        entry = {
+            "step": self.steps_done, "epoch": trainer.current_epoch, "density": density,
+            "achieved_sparsity": achieved_sparsity(targets),
+            "seconds_importance": scored - start, "seconds_selection": selected - scored,
+        }
+        self.history.append(entry)
+        print(f"[prune] {self.method} step {entry['step']}/{len(self.densities)} at epoch {entry['epoch']}: "
+              f"sparsity {entry['achieved_sparsity']:.4f} (importance {entry['seconds_importance']:.1f} s, "
+              f"selection {entry['seconds_selection']:.1f} s)", flush=True)
+
+    def _set_reference(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """Measure the dense model on the validation and test splits (each split's degradation is
+        taken against the dense model on that same split)."""
+        dm = trainer.datamodule
+        self.reference = {stage: evaluate(pl_module, getattr(dm, f"{stage}_dataloader")()) for stage in ("val", "test")}
+        self._push_reference(pl_module)
+
+    def _push_reference(self, pl_module: L.LightningModule) -> None:
+        for stage, results in (self.reference or {}).items():
+            pl_module.set_reference({k[4:]: v for k, v in results.items() if k.startswith("acc/")}, stage=stage)
+
+    def _importance_loader(self, trainer: L.Trainer, pl_module: L.LightningModule):
+        loader = trainer.datamodule.importance_dataloader(self.importance_fraction, seed=self.seed)
+        if self.groups == "labels":
+            found = loader, len(pl_module.group_names), list(pl_module.group_names)
+        else:
+            found = kmeans_groups(pl_module, loader, self.num_clusters or len(pl_module.group_names), self.seed)
+        self._group_labels = found[2]
+        return found
+
+    def _scores(self, trainer: L.Trainer, pl_module: L.LightningModule, targets: list[Target]) -> dict[str, torch.Tensor]:
+        device = pl_module.device
+        if self.method in ("magnitude", "lottery"):
+            return imp.magnitude_scores(targets)
+        if self.method == "random":
+            return imp.random_scores(targets, self.seed + self.steps_done)
+        loader, num_groups, names = self._importance_loader(trainer, pl_module)
+        if self.method == "snip":
+            return imp.snip_scores(pl_module, targets, loader, F.cross_entropy, device, self.score_batches)
+        if self.method == "grasp":
+            return imp.grasp_scores(pl_module, targets, loader, F.cross_entropy, device, self.score_batches)
+        return imp.group_scores(pl_module, targets, loader, F.cross_entropy, device, num_groups, names)
+
+    def _select(self, targets: list[Target], scores: dict[str, torch.Tensor], density: float) -> list[torch.Tensor]:
+        if self.method not in PER_LAYER:
+            # Global ranking over every targeted weight (SNIP and GraSP as published).
+            flat = torch.cat([scores[t.name].flatten().cpu() for t in targets])
+            cands = torch.cat([t.mask.flatten().cpu() for t in targets])
+            keep = _top_k_mask(flat, cands, layer_quota(flat.numel(), density))
+            return list(torch.split(keep, [t.weight.numel() for t in targets]))
+        keeps = []
+        for t in targets:
+            quota = layer_quota(t.weight.numel(), density)
+            candidates = t.mask.cpu()
+            if self.method == "fairgrape":
+                group_imp = scores[t.name].flatten(1).cpu()
+                cand_idx = candidates.flatten().nonzero().squeeze(1)
+                chosen = greedy_select(group_imp[:, cand_idx], min(quota, cand_idx.numel()))
+                keep = torch.zeros(candidates.numel(), dtype=torch.bool)
+                keep[cand_idx[chosen]] = True
+                keep = keep.view_as(candidates)
+                share = group_share_report(group_imp[:, cand_idx], chosen)
+                self.shares.append({"layer": t.name, "step": self.steps_done + 1, **share})
+            else:
+                keep = _top_k_mask(scores[t.name].cpu(), candidates, quota)
+            keeps.append(keep)
+        return keeps
+
+    # -- logging, report, resume -----------------------------------------------------------------
+    def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not trainer.sanity_checking:
+            pl_module.log("prune/sparsity", achieved_sparsity(self._targets(pl_module)))
+            pl_module.log("prune/steps_done", float(self.steps_done))
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.shares and trainer.is_global_zero:
+            import pandas as pd
+
+            from fairprune.callbacks.report import run_dir
+
+            rows = [{"layer": s["layer"], "step": s["step"], "group": g, "target": t, "share": sh}
+                    for s in self.shares for g, t, sh in zip(self._group_labels, s["target"], s["share"])]
+            run_dir(trainer).mkdir(parents=True, exist_ok=True)
+            pd.DataFrame(rows).to_csv(run_dir(trainer) / "group_shares.csv", index=False)
+
+    def report_fields(self) -> dict[str, Any]:
+        fields: dict[str, Any] = {"method": self.method, "target_sparsity": self.target_sparsity,
+                                  "keep_per_iter": self.keep_per_iter, "steps": self.history,
+                                  "groups_from": self.groups}
+        if self.reference is not None:
+            fields["reference"] = {"method": "dense", **{stage: split_results(r) for stage, r in self.reference.items()}}
+        fields["seconds"] = {
+            "importance": sum(h["seconds_importance"] for h in self.history),
+            "selection": sum(h["seconds_selection"] for h in self.history),
+        }
+        return fields
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps_done": self.steps_done, "reference": self.reference, "history": self.history,
+                "rewind": self._rewind, "method": self.method, "densities": self.densities}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("method") != self.method or state.get("densities") != self.densities:
+            raise UserError("the checkpoint was pruned with a different method or schedule; resume with the same callback settings")
+        self.steps_done, self.reference, self.history = state["steps_done"], state["reference"], state["history"]
+        self._rewind = state.get("rewind")
+
+
+
+def _weight_param(t: Target) -> torch.Tensor:
+    return getattr(t.module, "weight_orig", t.module.weight)
+
+
+@torch.no_grad()
+def evaluate(pl_module: L.LightningModule, loader) -> dict[str, float]:
+    """Per-group figures of ``pl_module`` on ``loader`` (used for the dense reference)."""
+    metric = GroupRates(len(pl_module.class_names), len(pl_module.group_names), pl_module.group_names).to(pl_module.device)
+    for x, y, g in loader:
+        metric.update(pl_module(x.to(pl_module.device)), y.to(pl_module.device), g.to(pl_module.device))
+    return {k: float(v) for k, v in metric.compute().items()}
+
+
+@torch.no_grad()
+def kmeans_groups(pl_module: L.LightningModule, loader, clusters: int, seed: int):
+    """Replace group labels by k-means clusters of the backbone's penultimate embeddings."""
+    from sklearn.cluster import KMeans
+
+    batches = [(x, y) for x, y, _ in loader]
+    feats = torch.cat([pl_module.embed(x.to(pl_module.device)).cpu() for x, _ in batches]).numpy()
+    labels = torch.as_tensor(KMeans(n_clusters=clusters, random_state=seed, n_init=10).fit_predict(feats))
+    out, start = [], 0
+    for x, y in batches:
+        out.append((x, y, labels[start: start + len(y)]))
+        start += len(y)
+    return out, clusters, [f"cluster{k}" for k in range(clusters)]
