@@ -34,7 +34,7 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 
 # Facts a data module knows that a model needs: linked when the model takes them and the config
 # leaves them unset.
-LINKED = ("class_names", "group_names")
+LINKED = ("class_names", "group_names", "tokenizer_path", "vocab_size")
 
 
 def _resolve(class_path: str) -> type:
@@ -65,7 +65,8 @@ class FairpruneCLI(LightningCLI):
         data = data_cls(**dict(data_cfg.get("init_args") or {}))
         for key in wanted:
             if hasattr(data, key):
-                model_cfg.init_args[key] = list(getattr(data, key))
+                value = getattr(data, key)
+                model_cfg.init_args[key] = list(value) if isinstance(value, (list, tuple)) else value
 
 
 def main(args: list[str] | None = None) -> int:

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import pandas as pd
 
 from fairprune.pruning.masks import achieved_sparsity, prunable_targets, sparsity_table
 from fairprune.reports import group_table, markdown, split_results, write_json
@@ -51,7 +52,8 @@ class ReportWriter(L.Callback):
         targets = prunable_targets(pl_module)
         report: dict[str, Any] = {
             "method": "dense",
-            "model": pl_module.hparams.get("backbone", type(pl_module).__name__),
+            "model": pl_module.hparams.get("backbone") or pl_module.hparams.get("model")
+            or (pl_module.hparams.get("config") or {}).get("model_type") or type(pl_module).__name__,
             "split": stage,
         }
         report.update(self._fields(trainer))
@@ -64,15 +66,15 @@ class ReportWriter(L.Callback):
         out = run_dir(trainer)
         write_json(out / self.filename, report)
         table = group_table(report)
-        table.to_csv(out / "groups.csv")
-        import pandas as pd
-
+        if len(table):
+            table.to_csv(out / "groups.csv")
         pd.DataFrame(sparsity_table(targets)).to_csv(out / "sparsity.csv", index=False)
         if self.print_table:
-            print(f"\nPer-group {stage} results ({report['method']}, {out / self.filename}):")
-            print(markdown(table))
-            fair = ", ".join(f"{k}={v:.4f}" for k, v in report["fairness"].items())
-            print(f"accuracy={report['metrics'].get('accuracy', float('nan')):.4f}  {fair}\n")
+            print(f"\n{stage} results ({report['method']}, {out / self.filename}):")
+            if len(table):
+                print(markdown(table))
+            figures = {**report["metrics"], **report["fairness"]}
+            print("  ".join(f"{k}={v:.4f}" for k, v in figures.items() if isinstance(v, (int, float))) + "\n")
         return report
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

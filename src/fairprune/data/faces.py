@@ -186,7 +186,7 @@ def read_utkface(
     label_names("utkface", target, "target", include_others)
     if sensitive is not None:
         label_names("utkface", sensitive, "sensitive", include_others)
-    root = existing_root(root, "utkface")
+    root = check_root("utkface", root)
     frame, malformed = _parse_utkface_names(sorted(root.rglob("*.jpg")))
     if malformed:
         warnings.warn(
@@ -238,8 +238,8 @@ def read_fairface(
     label_names("fairface", target, "target")
     if sensitive is not None:
         label_names("fairface", sensitive, "sensitive")
-    root = existing_root(root, "fairface")
-    train_csv, val_csv = (label_file(root, name, "fairface") for name in LABEL_FILES["fairface"])
+    root = check_root("fairface", root)
+    train_csv, val_csv = (root / name for name in LABEL_FILES["fairface"])
     used = {"race", "gender"} | ({target, sensitive} & {"age"})
     train, test = (_read_fairface_csv(path, used) for path in (train_csv, val_csv))
     train["split"] = seeded_split(train["file"].tolist(), seed, (0.9, 0.1), ("train", "val"))
@@ -284,10 +284,8 @@ def read_celeba(root: str | Path, target: str = "Smiling", sensitive: str | None
     celeba_attribute(target, CELEBA_ATTRIBUTES, "target")
     if sensitive is not None:
         celeba_attribute(sensitive, CELEBA_ATTRIBUTES, "sensitive")
-    base = existing_root(root, "celeba")
-    if not (base / LABEL_FILES["celeba"][0]).exists() and (base / "celeba").is_dir():
-        base = base / "celeba"
-    attr_file, partition_file = (label_file(base, name, "celeba") for name in LABEL_FILES["celeba"])
+    base = celeba_base(check_root("celeba", root))
+    attr_file, partition_file = (base / name for name in LABEL_FILES["celeba"])
     with attr_file.open() as handle:
         handle.readline()  # the image count
         names = handle.readline().split()
@@ -341,7 +339,22 @@ def seeded_split(
     return np.asarray(names)[np.minimum(np.searchsorted(bounds, rank, side="right"), len(names) - 1)]
 
 
-def existing_root(root: str | Path | None, dataset: str) -> Path:
+def check_root(dataset: str, root: str | Path | None) -> Path:
+    """Check that ``root`` and the dataset's label files exist (cheap: no file is read)."""
+    root = _existing_root(root, dataset)
+    base = celeba_base(root) if dataset == "celeba" else root
+    for name in LABEL_FILES.get(dataset, ()):
+        _label_file(base, name, dataset)
+    return root
+
+
+def celeba_base(root: Path) -> Path:
+    """The folder holding CelebA's files: ``root`` itself or torchvision's ``root/celeba``."""
+    nested = root / "celeba"
+    return nested if not (root / LABEL_FILES["celeba"][0]).exists() and nested.is_dir() else root
+
+
+def _existing_root(root: str | Path | None, dataset: str) -> Path:
     """Return ``root`` as a Path, or raise a UserError that says what the folder should hold."""
     if root is None or not Path(root).is_dir():
         shown = "" if root is None else f" '{root}'"
@@ -350,7 +363,7 @@ def existing_root(root: str | Path | None, dataset: str) -> Path:
     return Path(root)
 
 
-def label_file(base: Path, name: str, dataset: str) -> Path:
+def _label_file(base: Path, name: str, dataset: str) -> Path:
     """Return ``base / name`` or raise a UserError naming the missing label file."""
     path = base / name
     if not path.is_file():
@@ -495,14 +508,13 @@ class FaceDataModule(L.LightningDataModule):
         self.save_hyperparameters()
         self.class_names, self.group_names = task_info(dataset, target, sensitive, include_others)
         _check_positive(image_size=image_size, batch_size=batch_size, synthetic_size=synthetic_size,
-                        max_samples=max_samples, num_workers=num_workers + 1)
+                        max_samples=max_samples)
+        if num_workers < 0:
+            raise UserError(f"--data.num_workers must be 0 or more, got {num_workers}")
         if dataset == "synthetic":
             self.root = Path(root) if root is not None else default_synthetic_root(synthetic_size, seed)
         else:
-            self.root = existing_root(root, dataset)
-            for name in LABEL_FILES.get(dataset, ()):
-                if dataset != "celeba" or not (self.root / "celeba").is_dir():
-                    label_file(self.root, name, dataset)
+            self.root = check_root(dataset, root)  # fail before training, not at setup()
         self.num_classes = len(self.class_names)
         self.num_groups = len(self.group_names)
         self.train_frame = self.val_frame = self.test_frame = None
@@ -589,5 +601,4 @@ def _check_positive(**values: int | None) -> None:
     """Raise a UserError for the first value that is given but not a positive integer."""
     for name, value in values.items():
         if value is not None and (not isinstance(value, int) or value < 1):
-            shown = value - 1 if name == "num_workers" else value
-            raise UserError(f"--data.{name} must be a positive integer, got {shown}")
+            raise UserError(f"--data.{name} must be a positive integer, got {value}")

@@ -52,13 +52,14 @@ SKIN_TONES = np.array(
 #: Race code whose gender shows in hair length; every other race shows it in the stripes.
 MAJORITY_RACE = 0
 #: Probability that a face carries the stripe patch at all.
-STRIPE_PRESENT = 0.85
-#: Range of the stripe amplitude (on a [0, 1] intensity scale): faint on purpose.
-STRIPE_AMPLITUDE = (0.05, 0.14)
+STRIPE_PRESENT = 0.90
+#: Range of the stripe amplitude (on a [0, 1] intensity scale): faint, yet learnable in a few
+#: epochs (a 4-layer CNN on 2400 faces: ~0.92 White, ~0.70-0.78 others after 8 epochs).
+STRIPE_AMPLITUDE = (0.10, 0.22)
 #: Radius of the stripe patch, as a fraction of the face's half-width.
-STRIPE_RADIUS = 0.38
-#: Stripe period in pixels; about 4 or more survives JPEG at quality 90.
-STRIPE_PERIOD = 4.0
+STRIPE_RADIUS = 0.45
+#: Stripe period in pixels at any image size; 6 survives JPEG at quality 90 comfortably.
+STRIPE_PERIOD = 6.0
 MARKER = ".complete"
 CHUNK = 512  # faces drawn at once: bounds memory to a few tens of MB
 

@@ -20,8 +20,9 @@ Two implementations return the same mask, bit for bit, ties included:
 
 Why a compiled per-pick loop rather than batching the picks between group switches: with
 near-balanced groups the chosen group changes at almost every pick, so batches have length ~1
-and batching saves nothing, while each pick costs only O(K) compiled operations. The loop is
-then cheaper than the per-group sorts, which dominate the run time.
+and batching saves nothing, while each pick costs only O(K) compiled operations. What remains
+is memory-bound: the K sorts (see ``_pack_row``) and, per pick, one random read of the chosen
+weight's K importances; on a 2.4 M-weight layer with 7 groups the two cost about the same.
 
 Why both implementations agree exactly: a group switch can hinge on the last bit of a share,
 so both do the same float64 operations in the same order. Sums are plain sequential sums in
@@ -70,10 +71,13 @@ def _as_importance(importance: Any) -> np.ndarray:
             f"importance must have shape [groups, weights] with at least one group, "
             f"got shape {tuple(imp.shape)}"
         )
-    if not np.isfinite(imp).all():
-        raise ValueError("importance contains NaN or infinite values; check the gradients")
-    if (imp < 0).any():
-        raise ValueError("importance must be non-negative (it is a square, (g·w)²)")
+    if imp.size:
+        # min and max propagate NaN and need no temporary array, unlike isfinite(imp).all().
+        low, high = imp.min(), imp.max()
+        if not (np.isfinite(low) and np.isfinite(high)):
+            raise ValueError("importance contains NaN or infinite values; check the gradients")
+        if low < 0:
+            raise ValueError("importance must be non-negative (it is a square, (g·w)²)")
     return imp
 
 
@@ -194,57 +198,45 @@ _PARALLEL_MIN_WEIGHTS = 1 << 16  # below this, starting threads costs more than 
 
 
 @numba.njit(cache=True, nogil=True)
-def _descending_key(value_bits):  # pragma: no cover - compiled
-    """A uint64 whose ascending order is the descending order of a non-negative float64.
-
-    For non-negative floats the IEEE bit pattern grows with the value, so its complement
-    shrinks with it; -0.0 (sign bit only) is mapped to +0.0 so the two tie.
-    """
-    if value_bits == _NEGATIVE_ZERO:
-        value_bits = np.uint64(0)
-    return ~value_bits
-
-
-@numba.njit(cache=True, nogil=True)
 def _pack_row(row, index_bits):  # pragma: no cover - compiled
-    """Pack each weight as (top ``64 - index_bits`` bits of its key, then its index)."""
+    """Pack each weight as (top ``64 - index_bits`` bits of its order key, then its index).
+
+    The order key is the complement of the value's IEEE bits: for non-negative floats the
+    bits grow with the value, so the complement sorts descending. -0.0 (the sign bit alone)
+    is read as +0.0 so that the two tie.
+    """
     bits = row.view(np.uint64)
     shift = np.uint64(index_bits)
     packed = np.empty(row.size, dtype=np.uint64)
     for w in range(row.size):
-        packed[w] = ((_descending_key(bits[w]) >> shift) << shift) | np.uint64(w)
+        value_bits = bits[w] if bits[w] != _NEGATIVE_ZERO else np.uint64(0)
+        packed[w] = ((~value_bits >> shift) << shift) | np.uint64(w)
     return packed
 
 
-@numba.njit(cache=True, nogil=True)
-def _unpack_row(packed, row, index_bits, order):  # pragma: no cover - compiled
-    """Write the indices of the sorted ``packed`` into ``order``, fixing truncation runs.
+def _fix_truncation_runs(row: np.ndarray, packed: np.ndarray, index_bits: int,
+                         order: np.ndarray) -> None:
+    """Re-sort, by full value, the runs of ``order`` whose packed keys share their high bits.
 
-    Within a run of equal truncated keys the indices ascend (they are the low bits). If the
-    full keys in the run are not all equal, a stable sort by full key restores value order
-    and keeps index order among exact ties.
+    Within such a run the indices ascend (they are the low bits of ``packed``); where the
+    values differ, a sort by (run, value descending, index) restores the exact order.
     """
-    n = packed.size
-    shift = np.uint64(index_bits)
-    index_mask = (np.uint64(1) << shift) - np.uint64(1)
-    bits = row.view(np.uint64)
-    for i in range(n):
-        order[i] = np.int64(packed[i] & index_mask)
-    start = 0
-    while start < n:
-        end = start + 1
-        while end < n and (packed[end] >> shift) == (packed[start] >> shift):
-            end += 1
-        if end - start > 1:
-            keys = np.empty(end - start, dtype=np.uint64)
-            exact_tie = True
-            for i in range(end - start):
-                keys[i] = _descending_key(bits[order[start + i]])
-                exact_tie = exact_tie and keys[i] == keys[0]
-            if not exact_tie:
-                run = order[start:end].copy()
-                order[start:end] = run[np.argsort(keys, kind="mergesort")]
-        start = end
+    prefix = packed >> np.uint64(index_bits)
+    joined = prefix[1:] == prefix[:-1]  # position i and i + 1 are in one run
+    if not joined.any():
+        return
+    in_run = np.zeros(order.size, dtype=bool)
+    in_run[:-1] |= joined
+    in_run[1:] |= joined
+    positions = np.flatnonzero(in_run)
+    indices = order[positions]
+    values = row[indices]
+    if not (joined[positions[:-1]] & (values[1:] != values[:-1])).any():
+        return  # exact ties only: index order is already right
+    starts_run = np.ones(positions.size, dtype=bool)
+    starts_run[1:] = ~joined[positions[:-1]]
+    run_id = np.cumsum(starts_run)
+    order[positions] = indices[np.lexsort((indices, -values, run_id))]
 
 
 def _sort_group(imp: np.ndarray, orders: np.ndarray, group: int) -> None:
@@ -253,7 +245,8 @@ def _sort_group(imp: np.ndarray, orders: np.ndarray, group: int) -> None:
     index_bits = max(1, (row.size - 1).bit_length())
     packed = _pack_row(row, index_bits)
     packed.sort()
-    _unpack_row(packed, row, index_bits, orders[group])
+    np.bitwise_and(packed, np.uint64((1 << index_bits) - 1), out=orders[group].view(np.uint64))
+    _fix_truncation_runs(row, packed, index_bits, orders[group])
 
 
 def _descending_orders(imp: np.ndarray) -> np.ndarray:
@@ -326,8 +319,8 @@ def greedy_select(importance: Any, quota: int) -> torch.Tensor:
     """
     imp = _as_importance(importance)
     quota = _check_quota(quota, imp.shape[1])
-    if quota == 0:
-        return torch.zeros(imp.shape[1], dtype=torch.bool)
+    if quota in (0, imp.shape[1]):  # nothing or everything: no choice to make
+        return torch.full((imp.shape[1],), quota > 0, dtype=torch.bool)
     targets = _targets_kernel(imp)
     orders = _descending_orders(imp)
     kept = _pick_kernel(np.ascontiguousarray(imp.T), orders, targets, quota)
@@ -363,12 +356,12 @@ def select_layer_mask(
         )
     flat_mask = current_mask.detach().reshape(-1).cpu()
     candidates = flat_mask.nonzero().squeeze(1)
+    quota = layer_quota(candidates.numel(), keep_fraction)
     flat_importance = importance.detach().reshape(importance.shape[0], -1).cpu()
-    keep = greedy_select(
-        flat_importance[:, candidates], layer_quota(candidates.numel(), keep_fraction)
-    )
+    if candidates.numel() < flat_mask.numel():  # a dense layer needs no gathered copy
+        flat_importance = flat_importance[:, candidates]
     new_mask = torch.zeros_like(flat_mask)
-    new_mask[candidates[keep]] = True
+    new_mask[candidates[greedy_select(flat_importance, quota)]] = True
     return new_mask.reshape(current_mask.shape).to(current_mask.device)
 
 
