@@ -19,3 +19,18 @@ def _isolated_cache(tmp_path_factory, monkeypatch):
 @pytest.fixture
 def repo_root() -> Path:
     return ROOT
+
+
+@pytest.fixture(scope="session")
+def dense_ckpt(tmp_path_factory) -> Path:
+    """A small dense vision checkpoint trained by the real CLI on the bundled synthetic faces."""
+    from fairprune.cli import main
+
+    out = tmp_path_factory.mktemp("dense")
+    os.environ["FAIRPRUNE_CACHE"] = str(tmp_path_factory.getbasetemp() / "cache")
+    status = main(["fit", "--config", str(ROOT / "configs" / "vision" / "demo.yaml"), "--trainer.max_epochs", "1",
+                   "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "2", "--trainer.accelerator", "cpu",
+                   "--trainer.logger.init_args.save_dir", str(out), "--data.synthetic_size", "300",
+                   "--data.image_size", "32", "--data.batch_size", "16"])
+    assert status == 0
+    return out / "demo" / "dense" / "checkpoints" / "last.ckpt"

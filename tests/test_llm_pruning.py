@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import copy
 import math
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -409,3 +411,49 @@ def test_bad_inputs_raise_user_error(kwargs, match):
 def test_unknown_family_lists_supported():
     with pytest.raises(UserError, match="gpt2.*llama"):
         family_of(tf.GPTJForCausalLM(tf.GPTJConfig(n_layer=1, n_embd=32, n_head=4, vocab_size=VOCAB, rotary_dim=4)))
+
+
+# --------------------------------------------------------------------------------------------
+# Distributed: statistics from two processes combine into the single-process result
+# --------------------------------------------------------------------------------------------
+
+
+# Run as two fresh interpreters importing only torch and the statistics (spawning the test
+# module itself would import transformers in every child).
+_WORKER = """
+import sys, torch, torch.distributed as dist
+from fairprune.pruning.sparsegpt import Hessian, PairedHessian
+from fairprune.pruning.wanda import InputNorms
+rank, init_file, out_file = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method="file://" + init_file, rank=rank, world_size=2)
+g = torch.Generator().manual_seed(11)
+x0, x1, plain = torch.randn(5, 3, 4, generator=g), torch.randn(5, 3, 4, generator=g), torch.randn(5, 6, 4, generator=g)
+share = slice(0, 2) if rank == 0 else slice(2, 5)  # uneven shards: weighting by count matters
+hessian, paired, norms = Hessian(4), PairedHessian(4), InputNorms(4)
+hessian.add_batch(plain[share])
+paired.add_pair(x0[share], x1[share])
+paired.add_batch(plain[share])
+norms.add_batch(plain[share])
+values = [hessian.value(), paired.value(), norms.value()]
+if rank == 0:
+    torch.save(values, out_file)
+dist.destroy_process_group()
+"""
+
+
+def test_statistics_all_reduce_across_processes(tmp_path):
+    out = tmp_path / "values.pt"
+    cmd = [sys.executable, "-c", _WORKER]
+    procs = [subprocess.Popen([*cmd, str(r), str(tmp_path / "init"), str(out)]) for r in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    got = torch.load(out)
+    g = torch.Generator().manual_seed(11)
+    x0, x1, plain = torch.randn(5, 3, 4, generator=g), torch.randn(5, 3, 4, generator=g), torch.randn(5, 6, 4, generator=g)
+    hessian, paired, norms = Hessian(4), PairedHessian(4), InputNorms(4)
+    hessian.add_batch(plain)
+    paired.add_pair(x0, x1)
+    paired.add_batch(plain)
+    norms.add_batch(plain)
+    for a, b in zip(got, [hessian.value(), paired.value(), norms.value()]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)

@@ -76,11 +76,11 @@ def prune_vision(
     settings.setdefault("max_epochs", callback.last_epoch_needed)
     fit = L.Trainer(
         logger=CSVLogger(str(output), name="", version=name),
-        callbacks=[callback, ReportWriter(), ProgressBar(),
-                   ModelCheckpoint(dirpath=run / "checkpoints", save_last=True, save_top_k=0)],
+        callbacks=[callback, ReportWriter(), ModelCheckpoint(dirpath=run / "checkpoints", save_last=True)]
+        + ([ProgressBar()] if settings.get("enable_progress_bar", True) else []),
         **settings,
     )
-    fit.fit(model, datamodule=datamodule, ckpt_path=resume)
+    fit.fit(model, datamodule=datamodule, ckpt_path=resume, weights_only=False)  # our own run's checkpoint
     fit.test(model, datamodule=datamodule, verbose=False)
     return json.loads((run / "report.json").read_text())
 

@@ -144,6 +144,12 @@ class IterativePruning(L.Callback):
         if self.steps_done < len(self.densities) and epoch >= due:
             self.prune_step(trainer, pl_module)
 
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        # Randomness inside an epoch (dropout) depends only on (seed, epoch), so a run resumed
+        # from a checkpoint retrains exactly as an uninterrupted one and reaches the same masks.
+        if batch_idx == 0:
+            L.seed_everything(self.seed * 1_000_003 + trainer.current_epoch, verbose=False)
+
     # -- one step --------------------------------------------------------------------------------
     def _targets(self, pl_module: L.LightningModule) -> list[Target]:
         return prunable_targets(pl_module, include_first=self.include_first, include_classifier=self.include_classifier)
@@ -218,7 +224,8 @@ class IterativePruning(L.Callback):
             flat = torch.cat([scores[t.name].flatten().cpu() for t in targets])
             cands = torch.cat([t.mask.flatten().cpu() for t in targets])
             keep = _top_k_mask(flat, cands, layer_quota(flat.numel(), density))
-            return list(torch.split(keep, [t.weight.numel() for t in targets]))
+            chunks = torch.split(keep, [t.weight.numel() for t in targets])
+            return [chunk.view(t.weight.shape) for chunk, t in zip(chunks, targets)]
         keeps = []
         for t in targets:
             quota = layer_quota(t.weight.numel(), density)

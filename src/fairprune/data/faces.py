@@ -38,7 +38,7 @@ import numpy as np
 import pandas as pd
 import torch
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from torchvision.transforms import v2
 
 from fairprune.data.synthetic import MARKER, generate_synthetic_utkface
@@ -186,7 +186,7 @@ def read_utkface(
     label_names("utkface", target, "target", include_others)
     if sensitive is not None:
         label_names("utkface", sensitive, "sensitive", include_others)
-    root = check_root("utkface", root)
+    root = check_root("utkface", root).resolve()
     frame, malformed = _parse_utkface_names(sorted(root.rglob("*.jpg")))
     if malformed:
         warnings.warn(
@@ -211,7 +211,10 @@ def read_utkface(
 
 
 def _parse_utkface_names(files: list[Path]) -> tuple[pd.DataFrame, list[str]]:
-    """Parse UTKFace file names into a frame (one row per image key) and a list of bad names."""
+    """Parse UTKFace file names into a frame (one row per image key) and a list of bad names.
+
+    The key (the name without its extension) identifies an image across both name styles.
+    """
     rows, malformed = [], []
     for path in files:
         match = UTKFACE_NAME.fullmatch(path.name)
@@ -219,7 +222,7 @@ def _parse_utkface_names(files: list[Path]) -> tuple[pd.DataFrame, list[str]]:
             malformed.append(path.name)
             continue
         age, gender, race, stamp, chip = match.groups()
-        rows.append((str(path.resolve()), f"{age}_{gender}_{race}_{stamp}", int(age), int(gender),
+        rows.append((str(path), f"{age}_{gender}_{race}_{stamp}", int(age), int(gender),
                      int(race), chip is not None))
     frame = pd.DataFrame(rows, columns=["path", "key", "age", "gender", "race", "aligned"])
     frame = frame.sort_values(["key", "aligned"], ascending=[True, False], kind="stable")
@@ -567,7 +570,7 @@ class FaceDataModule(L.LightningDataModule):
                           f"will be missing for that split", stacklevel=3)
 
     def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, shuffle=True)
+        return self._loader(self.train_set, sampler=EpochShuffle(len(self.train_set), self.hparams.seed))
 
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set)
@@ -585,16 +588,38 @@ class FaceDataModule(L.LightningDataModule):
         indices = stratified_subset(self.importance_set.groups.numpy(), fraction, seed)
         return self._loader(Subset(self.importance_set, indices.tolist()))
 
-    def _loader(self, dataset: Dataset, shuffle: bool = False) -> DataLoader:
+    def _loader(self, dataset: Dataset, sampler: Sampler | None = None) -> DataLoader:
         workers = self.hparams.num_workers
         return DataLoader(
             dataset,
             batch_size=self.hparams.batch_size,
-            shuffle=shuffle,
+            sampler=sampler,
             num_workers=workers,
             persistent_workers=workers > 0,
             pin_memory=torch.cuda.is_available(),
         )
+
+
+class EpochShuffle(Sampler[int]):
+    """A shuffled order that depends only on ``(seed, epoch)``.
+
+    Lightning calls ``set_epoch`` before every training epoch, so a run resumed from a checkpoint
+    sees the same order in each epoch as an uninterrupted run (a plain shuffling sampler would
+    draw from the global random state, which a resume does not restore).
+    """
+
+    def __init__(self, size: int, seed: int = 0) -> None:
+        self.size, self.seed, self.epoch = size, seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self):
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        yield from torch.randperm(self.size, generator=generator).tolist()
 
 
 def _check_positive(**values: int | None) -> None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from fairprune.errors import UserError, suggest
 from fairprune.metrics.group import GroupRates
-from fairprune.pruning.masks import attach_masks_for
+from fairprune.pruning.masks import attach_masks_for, ordered_parameters
 
 
 def _torchvision_names() -> list[str]:
@@ -169,7 +169,7 @@ class VisionClassifier(L.LightningModule):
         self._eval_epoch_end("test")
 
     def configure_optimizers(self) -> Any:
-        optimizer = self.optimizer_factory(self.parameters())
+        optimizer = self.optimizer_factory(ordered_parameters(self))
         if self.scheduler_factory is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": self.scheduler_factory(optimizer), "monitor": "val/loss"}}

@@ -17,6 +17,7 @@ from tqdm.auto import tqdm
 from fairprune.errors import UserError, suggest
 from fairprune.models.families import Family, family_of, linear_weight, set_linear_weight
 from fairprune.pruning.calibration import make_inputs, run_layerwise
+from fairprune.pruning.masks import Target, achieved_sparsity, sparsity_table
 from fairprune.pruning.sparsegpt import Hessian, PairedHessian, check_nm, check_sparsity, sparsegpt_solve
 from fairprune.pruning.wanda import InputNorms, nm_mask, row_mask, wanda_mask
 
@@ -61,7 +62,10 @@ def prune_causal_lm(
         _prune_magnitude(model, family, sparsity, nm, device, progress)
     else:
         stat_class = {"wanda": InputNorms, "sparsegpt": Hessian, "debias-sparsegpt": PairedHessian}[method]
-        make_stat = lambda name, layer: stat_class(linear_weight(layer).shape[1], device=device)  # noqa: E731
+
+        def make_stat(name: str, layer: nn.Module):
+            return stat_class(linear_weight(layer).shape[1], device=device)
+
         inputs = make_inputs(calib_ids, pairs, batch_size)
         run_layerwise(model, family, inputs, device, make_stat, prune, progress, desc=method)
     layers = sparsity_by_layer(model, family)
@@ -76,16 +80,20 @@ def prune_causal_lm(
     }
 
 
+def block_targets(model: nn.Module, family: Family) -> list[Target]:
+    """The prunable layers of every block, named ``"<block>.<path>"``."""
+    return [
+        Target(f"{index}.{name}", layer)
+        for index, block in enumerate(family.block_list(model))
+        for name, layer in family.block_linears(block).items()
+    ]
+
+
 def sparsity_by_layer(model: nn.Module, family: Family) -> dict[str, float]:
     """Share of exact zeros per prunable block layer, plus ``"__total__"`` over all of them."""
-    out, zeros, total = {}, 0, 0
-    for index, block in enumerate(family.block_list(model)):
-        for name, layer in family.block_linears(block).items():
-            W = layer.weight
-            z = int((W == 0).sum())
-            out[f"{index}.{name}"] = z / W.numel()
-            zeros, total = zeros + z, total + W.numel()
-    out["__total__"] = zeros / max(total, 1)
+    targets = block_targets(model, family)
+    out = {row["layer"]: row["sparsity"] for row in sparsity_table(targets)}
+    out["__total__"] = achieved_sparsity(targets)
     return out
 
 

@@ -116,3 +116,19 @@ def attach_masks_for(model: nn.Module, state_dict: dict[str, torch.Tensor], pref
             prune.identity(module, "weight")
             attached += 1
     return attached
+
+
+def ordered_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters in the order the unpruned model registers them.
+
+    Attaching a mask moves ``weight`` to ``weight_orig`` at the end of its module's parameters,
+    so a model rebuilt with masks (on resume) would list them in another order than the run that
+    pruned it, and its optimizer state would land on the wrong tensors. Within each module the
+    weight goes first again (as every torch / timm layer registers it), the rest keep their order.
+    """
+    ordered: list[nn.Parameter] = []
+    for module in model.modules():
+        own = list(module._parameters.items())
+        own.sort(key=lambda item: 0 if item[0] in ("weight", "weight_orig") else 1)
+        ordered.extend(p for _, p in own if p is not None)
+    return ordered

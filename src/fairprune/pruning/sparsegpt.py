@@ -34,7 +34,7 @@ from fairprune.errors import UserError
 
 def check_sparsity(sparsity: float) -> None:
     """Unstructured sparsity must lie in [0, 1)."""
-    if not 0.0 <= float(sparsity) < 1.0:
+    if sparsity is None or not 0.0 <= float(sparsity) < 1.0:
         raise UserError(f"sparsity must be in [0, 1), got {sparsity}; e.g. --sparsity 0.5")
 
 
