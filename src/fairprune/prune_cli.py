@@ -3,7 +3,11 @@
 Subcommands:
 
 - ``vision``: prune a trained vision checkpoint with one method, retraining between steps;
-- ``compare``: several methods × sparsities from one dense checkpoint, one table and plots.
+- ``magnitude``, ``wanda``, ``sparsegpt``, ``debias-sparsegpt``: post-training pruning of a causal LM
+  (unstructured or N:M), written as a transformers folder with its report;
+- ``evaluate``: perplexity, paired stereotype score and sparsity of a causal LM;
+- ``compare``: several methods × sparsities from one vision checkpoint (``--ckpt``) or one causal
+  LM (``--model``), one table (and plots for vision).
 
 Every subcommand takes ``--config file.yaml`` (keys = the option names) and command-line
 overrides; ``--print_config`` shows the resolved configuration.
@@ -18,11 +22,33 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 
 from fairprune.callbacks.pruning import IterativePruning
 from fairprune.cli import one_line, user_error_in
+from fairprune.errors import UserError
 
 
-def _common(parser: ArgumentParser) -> None:
+LLM_METHODS = ("magnitude", "wanda", "sparsegpt", "debias-sparsegpt")
+
+
+def _lm_args(parser: ArgumentParser) -> None:
+    parser.add_argument("--calib_text", type=str | None, default=None, help="calibration text file/folder (default: bundled corpus)")
+    parser.add_argument("--eval_text", type=str | None, default=None, help="perplexity text, e.g. WikiText-2 raw test (default: bundled)")
+    parser.add_argument("--pairs", type=str | None, default=None, help="StereoSet JSON or CrowS-Pairs CSV (default: bundled pairs)")
+    parser.add_argument("--nsamples", type=int, default=128, help="calibration windows")
+    parser.add_argument("--seqlen", type=int, default=128, help="calibration window length")
+    parser.add_argument("--eval_seqlen", type=int | None, default=None, help="perplexity window (default: --seqlen)")
+    parser.add_argument("--device", type=str, default="auto", help="auto, cpu, cuda, cuda:1 ...")
+    parser.add_argument("--percdamp", type=float, default=0.01, help="SparseGPT damping, fraction of mean diag(H)")
+    parser.add_argument("--blocksize", type=int, default=128, help="SparseGPT column block")
+    parser.add_argument("--trust_remote_code", type=bool, default=False, help="allow a hub model's own code to run")
+
+
+def _lm_settings(sub) -> dict[str, Any]:
+    keys = ("nsamples", "seqlen", "eval_seqlen", "device", "percdamp", "blocksize")
+    return {k: sub[k] for k in keys}
+
+
+def _common(parser: ArgumentParser, ckpt_required: bool = True) -> None:
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of these options")
-    parser.add_argument("--ckpt", type=str, required=True, help="dense checkpoint written by train.py")
+    parser.add_argument("--ckpt", type=str | None, default=None, required=ckpt_required, help="dense checkpoint written by train.py")
     parser.add_argument("--output", type=str, default="runs/prune", help="folder the run folder(s) go in")
     parser.add_argument("--trainer", type=dict[str, Any], default={}, help="Trainer arguments (accelerator, limit_train_batches, ...)")
     parser.add_argument("--data", type=dict[str, Any], default={}, help="data module overrides (root, batch_size, num_workers, ...)")
@@ -42,11 +68,38 @@ def build_parser() -> ArgumentParser:
     vision.add_argument("--resume", type=str | None, default=None, help="checkpoint of an interrupted pruning run to resume")
     commands.add_subcommand("vision", vision)
 
-    compare = ArgumentParser(description="Compare methods x sparsities from one dense checkpoint.", exit_on_error=False)
-    _common(compare)
+    for method in LLM_METHODS:
+        sub = ArgumentParser(description=f"Post-training {method} pruning of a causal LM; writes an HF folder.",
+                             exit_on_error=False)
+        sub.add_argument("--config", action=ActionConfigFile)
+        sub.add_argument("--model", type=str, required=True, help="hub name or folder (e.g. runs/lm/tiny_gpt2/model)")
+        sub.add_argument("--sparsity", type=str, default="0.5", help="fraction in [0, 1) or N:M such as 2:4")
+        sub.add_argument("--nm", type=str | None, default=None, help="N:M pattern (same as --sparsity 2:4)")
+        sub.add_argument("--output", type=str, required=True, help="folder for the pruned model and report.json")
+        sub.add_argument("--seed", type=int, default=0)
+        _lm_args(sub)
+        commands.add_subcommand(method, sub)
+
+    evaluate = ArgumentParser(description="Perplexity, stereotype score and sparsity of a causal LM.", exit_on_error=False)
+    evaluate.add_argument("--config", action=ActionConfigFile)
+    evaluate.add_argument("--model", type=str, required=True)
+    evaluate.add_argument("--output", type=str | None, default=None, help="folder for report.json")
+    evaluate.add_argument("--eval_text", type=str | None, default=None)
+    evaluate.add_argument("--pairs", type=str | None, default=None)
+    evaluate.add_argument("--seqlen", type=int, default=128)
+    evaluate.add_argument("--device", type=str, default="auto")
+    evaluate.add_argument("--trust_remote_code", type=bool, default=False)
+    evaluate.add_argument("--seed", type=int, default=0)
+    commands.add_subcommand("evaluate", evaluate)
+
+    compare = ArgumentParser(description="Compare methods x sparsities: a vision checkpoint (--ckpt) or a causal LM (--model).",
+                             exit_on_error=False)
+    _common(compare, ckpt_required=False)
+    compare.add_argument("--model", type=str | None, default=None, help="causal LM (name or folder) instead of --ckpt")
     compare.add_argument("--methods", type=list[str], default=["magnitude", "fairgrape"])
-    compare.add_argument("--sparsities", type=list[float], default=[0.9])
-    compare.add_argument("--pruning", type=dict[str, Any], default={}, help="settings shared by every method (keep_per_iter, retrain_epochs, ...)")
+    compare.add_argument("--sparsities", type=list[float | str], default=[0.9], help="vision: fractions; LM: fractions or N:M")
+    compare.add_argument("--pruning", type=dict[str, Any], default={}, help="vision: settings shared by every method (keep_per_iter, ...)")
+    _lm_args(compare)
     commands.add_subcommand("compare", compare)
     return parser
 
@@ -62,12 +115,33 @@ def run(args: list[str] | None = None) -> Any:
         print(f"[prune] {report['method']}: accuracy {report['metrics'].get('accuracy', float('nan')):.4f}, "
               f"sparsity {report['achieved_sparsity']:.4f}")
         return report
+    if cfg.command in LLM_METHODS:
+        from fairprune.lm_runs import run_llm_pruning
+
+        return run_llm_pruning(sub.model, cfg.command, sub.nm or sub.sparsity, sub.output, calib_text=sub.calib_text,
+                               eval_text=sub.eval_text, pairs=sub.pairs, trust_remote_code=sub.trust_remote_code,
+                               seed=sub.seed, **_lm_settings(sub))
+    if cfg.command == "evaluate":
+        from fairprune.lm_runs import evaluate_lm
+
+        return evaluate_lm(sub.model, sub.output, eval_text=sub.eval_text, pairs=sub.pairs, seqlen=sub.seqlen,
+                           device=sub.device, trust_remote_code=sub.trust_remote_code, seed=sub.seed)
     if cfg.command == "compare":
         from fairprune.reports import markdown
-        from fairprune.vision_runs import compare_vision
 
-        table = compare_vision(sub.ckpt, sub.methods, sub.sparsities, dict(sub.pruning), sub.output, dict(sub.trainer),
-                               dict(sub.data), sub.seed)
+        if (sub.ckpt is None) == (sub.model is None):
+            raise UserError("compare needs exactly one of --ckpt (a vision checkpoint) or --model (a causal LM)")
+        if sub.model is not None:
+            from fairprune.lm_runs import compare_lm
+
+            table = compare_lm(sub.model, sub.methods, sub.sparsities, sub.output, calib_text=sub.calib_text,
+                               eval_text=sub.eval_text, pairs=sub.pairs, trust_remote_code=sub.trust_remote_code,
+                               seed=sub.seed, **_lm_settings(sub))
+        else:
+            from fairprune.vision_runs import compare_vision
+
+            table = compare_vision(sub.ckpt, sub.methods, [float(s) for s in sub.sparsities], dict(sub.pruning),
+                                   sub.output, dict(sub.trainer), dict(sub.data), sub.seed)
         print("\n" + markdown(table.set_index("method")) + "\n")
         print(f"[compare] written to {sub.output}/comparison.csv, comparison.md and plots")
         return table

