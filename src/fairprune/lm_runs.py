@@ -46,7 +46,8 @@ def parse_sparsity(value: float | str) -> tuple[float | None, tuple[int, int] | 
     except ValueError:
         raise UserError(f"sparsity must be a number in [0, 1) or N:M like 2:4, got '{value}'") from None
     if not 0.0 <= sparsity < 1.0:
-        raise UserError(f"sparsity must be in [0, 1), got {sparsity}")
+        hint = " (quote N:M patterns in YAML lists, \"2:4\": unquoted, 2:4 reads as the number 124)" if sparsity >= 60 else ""
+        raise UserError(f"sparsity must be in [0, 1) or N:M, got {value}{hint}")
     return sparsity, None
 
 
@@ -79,7 +80,7 @@ def measure(model, tokenizer, eval_text: str, eval_pairs: list, seqlen: int, dev
     """Perplexity (non-overlapping windows) and paired stereotype score (0.5 ideal)."""
     model.eval()
     return {
-        "perplexity": float(perplexity(model, eval_text, tokenizer, seqlen=seqlen, device=device)),
+        "perplexity": float(perplexity(model, eval_text, tokenizer, seqlen=seqlen, device=device, batch_size=8)),
         "stereotype_score": float(stereotype_score(model, tokenizer, eval_pairs, device=device)),
     }
 

@@ -97,7 +97,7 @@ def build_parser() -> ArgumentParser:
     _common(compare, ckpt_required=False)
     compare.add_argument("--model", type=str | None, default=None, help="causal LM (name or folder) instead of --ckpt")
     compare.add_argument("--methods", type=list[str], default=["magnitude", "fairgrape"])
-    compare.add_argument("--sparsities", type=list[float | str], default=[0.9], help="vision: fractions; LM: fractions or N:M")
+    compare.add_argument("--sparsities", type=list[str | float], default=[0.9], help="vision: fractions; LM: fractions or N:M")
     compare.add_argument("--pruning", type=dict[str, Any], default={}, help="vision: settings shared by every method (keep_per_iter, ...)")
     _lm_args(compare)
     commands.add_subcommand("compare", compare)

@@ -237,7 +237,7 @@ def compare_diff_pruning(module: L.LightningModule, datamodule: L.LightningDataM
     diff.attach_gates(_root(masked), names, train_ungated=diff_kwargs.get("train_ungated", False))
     diff.fix_difference(_root(masked), {n: tuned[n].detach() - before[n] for n in names}, target_fraction)
     for n, p in _root(masked).named_parameters():  # the head starts from the fine-tuned one
-        if ".parametrizations." not in n and p.requires_grad:
+        if "parametrizations." not in n and p.requires_grad:
             p.data.copy_(tuned[n].detach())
     trainer = _trainer(finetune_epochs, [], **kwargs)
     if finetune_epochs:

@@ -23,6 +23,9 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     """A transformers tokenizer by hub name or local folder (``HF_HUB_OFFLINE`` is honoured)."""
     from transformers import AutoTokenizer
 
+    from fairprune.models.language import check_local_path
+
+    check_local_path(name_or_path)
     try:
         tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:

@@ -253,6 +253,7 @@ class TextClassificationDataModule(L.LightningDataModule):
         for p in (train_file, val_file, test_file):
             if p is not None and not Path(p).is_file():
                 raise UserError(f"data file '{p}' does not exist; give a .csv or .jsonl file with text,label[,group] columns")
+        self.cache_dir = default_cache_dir()  # fixed now: loaders built later find the same files
         self._records: dict[str, list[dict[str, Any]]] | None = None
         self._tokenizer = None
         self._encoded: dict[str, dict[str, Any]] = {}
@@ -266,7 +267,7 @@ class TextClassificationDataModule(L.LightningDataModule):
                 val = hp.val_file or hp.train_file
                 raw = {"train": read_records(hp.train_file), "val": read_records(val), "test": read_records(hp.test_file or val)}
             elif hp.dataset == "bios":
-                paths = write_bios(size=hp.bios_size, seed=hp.seed)
+                paths = write_bios(self.cache_dir / f"bios_{hp.bios_size}_{hp.seed}", hp.bios_size, hp.seed)
                 raw = {"train": read_records(paths["train"]), "val": read_records(paths["validation"]), "test": read_records(paths["test"])}
             else:
                 raw = {"train": _hf_records(hp.dataset, hp.subset, hp.train_split),
@@ -313,7 +314,7 @@ class TextClassificationDataModule(L.LightningDataModule):
             return resolve_pretrained(self.hparams.tokenizer)
         hp = self.hparams
         source = f"{hp.dataset}|{hp.subset}|{hp.train_file}|{hp.bios_size}|{hp.seed}|{hp.vocab_size_local}|{hp.max_samples}"
-        return str(default_cache_dir() / f"tokenizer_wordpiece_{hashlib.sha1(source.encode()).hexdigest()[:10]}")
+        return str(self.cache_dir / f"tokenizer_wordpiece_{hashlib.sha1(source.encode()).hexdigest()[:10]}")
 
     @property
     def tokenizer(self):

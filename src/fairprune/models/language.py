@@ -18,13 +18,18 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from fairprune.errors import UserError
 
 
+def check_local_path(name_or_path: str) -> None:
+    """A name that can only be a local folder (absolute, ./, ../, ~, runs/) must exist."""
+    local = Path(name_or_path).expanduser()
+    if (local.is_absolute() or name_or_path.startswith((".", "~", "runs/"))) and not local.exists():
+        raise UserError(f"model path '{name_or_path}' does not exist; give a folder written by save_pretrained or a hub name")
+
+
 def load_causal_lm(name_or_path: str, trust_remote_code: bool = False, dtype: torch.dtype | str | None = None):
     """A causal LM by hub name or local folder. Remote code runs only when asked for."""
     from transformers import AutoModelForCausalLM
 
-    local = Path(name_or_path)
-    if (local.is_absolute() or name_or_path.startswith((".", "runs/"))) and not local.exists():
-        raise UserError(f"model path '{name_or_path}' does not exist; give a folder written by save_pretrained or a hub name")
+    check_local_path(name_or_path)
     try:
         return AutoModelForCausalLM.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, dtype=dtype)
     except (OSError, ValueError) as err:

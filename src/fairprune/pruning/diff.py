@@ -67,19 +67,61 @@ class GateConfig:
             raise UserError(f"alpha_lr must be > 0, got {self.alpha_lr}")
 
 
+def _stretched(s: torch.Tensor, cfg: GateConfig) -> torch.Tensor:
+    return (s * (cfg.right - cfg.left) + cfg.left).clamp(0.0, 1.0)
+
+
+def _concrete(log_alpha: torch.Tensor, u: torch.Tensor, beta: float) -> torch.Tensor:
+    """``sigmoid((logit(u) + log α)/β)`` written as ``1 / (1 + ((1−u)/u)^(1/β)·e^(−log α/β))``:
+    one exponential instead of two logarithms and a sigmoid, and finite at u = 0 or 1."""
+    odds = (1 - u) / u
+    if beta != 1.0:
+        odds = odds.pow(1.0 / beta)
+    # The clamp keeps 0·inf (u = 1, very negative log α) from giving NaN.
+    return torch.reciprocal(1 + odds * torch.exp(-log_alpha / beta).clamp(max=1e30))
+
+
 def sample_gate(log_alpha: torch.Tensor, cfg: GateConfig, u: torch.Tensor | None = None) -> torch.Tensor:
     """Train-time gate ``clamp(sigmoid((logit(u) + log α)/β)·(r − l) + l, 0, 1)``, u ~ U(0, 1)."""
     if u is None:
         u = torch.rand_like(log_alpha)
-    # u = 0 or 1 exactly would give an infinite logit; the clamp changes nothing measurable.
-    u = u.clamp(1e-6, 1 - 1e-6)
-    s = torch.sigmoid((torch.log(u) - torch.log1p(-u) + log_alpha) / cfg.beta)
-    return (s * (cfg.right - cfg.left) + cfg.left).clamp(0.0, 1.0)
+    return _stretched(_concrete(log_alpha, u, cfg.beta), cfg)
+
+
+class _GatedSum(torch.autograd.Function):
+    """``θ₀ + z ⊙ δ`` with a freshly sampled ``z``, in one pass with a hand-written backward.
+
+    Autograd through the plain expression keeps a dozen weight-sized intermediates per tensor;
+    here only ``s`` is kept, and the gradients are ``g·z`` for δ and
+    ``g·δ·(r − l)·s·(1 − s)/β`` for log α (zero where the clamp is active).
+    """
+
+    @staticmethod
+    def forward(ctx, base, delta, log_alpha, beta: float, left: float, right: float):
+        s = _concrete(log_alpha, torch.rand_like(log_alpha), beta)
+        ctx.save_for_backward(s, delta)
+        ctx.consts = (beta, left, right)
+        z = (s * (right - left) + left).clamp(0.0, 1.0)
+        return base + (z * delta).to(base.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        s, delta = ctx.saved_tensors
+        beta, left, right = ctx.consts
+        stretched = s * (right - left) + left
+        z = stretched.clamp(0.0, 1.0)
+        grad = grad.to(delta.dtype)
+        grad_delta = grad * z if ctx.needs_input_grad[1] else None
+        grad_alpha = None
+        if ctx.needs_input_grad[2]:
+            inside = (stretched > 0) & (stretched < 1)
+            grad_alpha = torch.where(inside, grad * delta * s * (1 - s) * ((right - left) / beta), torch.zeros_like(s))
+        return None, grad_delta, grad_alpha, None, None, None
 
 
 def deterministic_gate(log_alpha: torch.Tensor, cfg: GateConfig) -> torch.Tensor:
     """Eval-time gate ``clamp(sigmoid(log α)·(r − l) + l, 0, 1)``."""
-    return (torch.sigmoid(log_alpha) * (cfg.right - cfg.left) + cfg.left).clamp(0.0, 1.0)
+    return _stretched(torch.sigmoid(log_alpha), cfg)
 
 
 def prob_nonzero(log_alpha: torch.Tensor, cfg: GateConfig) -> torch.Tensor:
@@ -116,6 +158,8 @@ class DiffGate(nn.Module):
         return z
 
     def forward(self, base: torch.Tensor) -> torch.Tensor:
+        if self.training and not self.fixed and self.tensor_log_alpha is None:
+            return _GatedSum.apply(base, self.delta, self.log_alpha, self.cfg.beta, self.cfg.left, self.cfg.right)
         return base + (self.gate() * self.delta).to(base.dtype)
 
     def effective_delta(self) -> torch.Tensor:
@@ -180,12 +224,22 @@ def head_prefixes(root: nn.Module) -> list[str]:
             heads += [_join(name, child) for child, _ in module.named_children() if child != prefix]
     if heads:
         return heads
-    linears = [n for n, m in root.named_modules() if isinstance(m, nn.Linear)]
+    linears = [n for n, m in root.named_modules() if isinstance(m, nn.Linear) and n]
     return linears[-1:]
 
 
 def _join(*parts: str) -> str:
     return ".".join(p for p in parts if p)
+
+
+def _is_gate_part(name: str) -> bool:
+    """A parameter or buffer that belongs to a parametrization (θ₀, δ, log α, mask)."""
+    return name.startswith("parametrizations.") or ".parametrizations." in name
+
+
+def _plain_name(name: str) -> str:
+    """``a.parametrizations.weight.original`` → ``a.weight``."""
+    return name.replace("parametrizations.", "").removesuffix(".original")
 
 
 def _in_head(name: str, heads: list[str]) -> bool:
@@ -262,7 +316,7 @@ def attach_gates(root: nn.Module, names: list[str] | None = None, cfg: GateConfi
     for name, param in root.named_parameters():
         if name.endswith(".original"):
             param.requires_grad_(False)
-        elif ".parametrizations." not in name and not _in_head(name, heads):
+        elif not _is_gate_part(name) and not _in_head(name, heads):
             param.requires_grad_(train_ungated)
     return chosen
 
@@ -270,8 +324,8 @@ def attach_gates(root: nn.Module, names: list[str] | None = None, cfg: GateConfi
 def attach_gates_for(root: nn.Module, state_dict: dict[str, Any], prefix: str = "") -> int:
     """Attach gates wherever ``state_dict`` holds a gated weight, so a Diff-Pruning checkpoint loads
     strictly into a freshly built model. Returns how many gates were attached."""
-    names = [k[len(prefix):].replace(".parametrizations.", ".").removesuffix(".original")
-             for k in state_dict if k.startswith(prefix) and k.endswith(".original") and ".parametrizations." in k]
+    names = [_plain_name(k[len(prefix):]) for k in state_dict
+             if k.startswith(prefix) and k.endswith(".original") and _is_gate_part(k[len(prefix):])]
     todo = [n for n in names if n not in gates(root)]
     if todo:
         attach_gates(root, todo)
@@ -413,7 +467,7 @@ def base_sha256(root: nn.Module, names: list[str] | None = None) -> str:
 def trained_in_full(root: nn.Module) -> dict[str, torch.Tensor]:
     """Trainable parameters that are not part of a gate (the head, and ungated base parameters
     when they were trained), by their plain names."""
-    return {n: p.detach() for n, p in root.named_parameters() if p.requires_grad and ".parametrizations." not in n}
+    return {n: p.detach() for n, p in root.named_parameters() if p.requires_grad and not _is_gate_part(n)}
 
 
 def _index_dtype(numel: int) -> torch.dtype:
@@ -424,9 +478,9 @@ def full_bytes(root: nn.Module) -> int:
     """Bytes of a full checkpoint of the merged model (every tensor of the plain state dict)."""
     plain: dict[str, torch.Tensor] = {}
     for name, t in root.state_dict().items():
-        if ".parametrizations." in name and not name.endswith(".original"):
+        if _is_gate_part(name) and not name.endswith(".original"):
             continue
-        plain[name.replace(".parametrizations.", ".").removesuffix(".original")] = t
+        plain[_plain_name(name)] = t
     return sum(t.numel() * t.element_size() for t in plain.values() if isinstance(t, torch.Tensor))
 
 

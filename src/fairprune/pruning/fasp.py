@@ -159,8 +159,6 @@ def score_heads(evaluate: Evaluator, path: str | Path, gates: HeadGates | None =
         todo = tqdm(todo, desc="[fasp] scoring heads", leave=False)
     with gates, path.open("a", newline="") as handle:
         writer = csv.writer(handle)
-        if not done:
-            writer.writerow(columns)
         for layer, head in todo:
             with gates.off([] if (layer, head) == BASELINE else [(layer, head)]):
                 result = evaluate()
@@ -180,7 +178,8 @@ def _resume(path: Path, columns: list[str], fingerprint: str) -> set[Head]:
                             "delete it or choose another output directory")
         return set(zip(frame.layer.astype(int), frame["head"].astype(int)))
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("")
+    with path.open("w", newline="") as handle:
+        csv.writer(handle).writerow(columns)
     stamp.write_text(json.dumps({"fingerprint": fingerprint, "columns": columns}))
     return set()
 
@@ -420,8 +419,8 @@ def run_fasp(
                             f"axes present: {', '.join(sorted(val_prompts.axis.unique()))}")
     if method not in METHODS:
         raise UserError(f"unknown head-pruning method {method!r}{suggest(method, METHODS)}; choose from {', '.join(METHODS)}")
-    if method == "fasp" and gamma is not None:
-        counts(HeadGates(model).values.numel(), gamma, alpha)  # fail before the expensive part
+    # Fail on impossible ratios before the expensive part.
+    counts(HeadGates(model).values.numel(), gamma if method == "fasp" and gamma is not None else 0.0, alpha)
 
     tick = time.perf_counter()
     reference = on_test()

@@ -1,0 +1,116 @@
+"""Language-model workflows end to end: train the bundled LM, prune it every way, compare, evaluate."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fairprune.cli import main as train_main
+from fairprune.prune_cli import main as prune_main
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ["--data.corpus_docs", "150", "--data.seqlen", "32", "--data.batch_size", "8", "--data.bpe_vocab_size", "400",
+        "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2",
+        "--trainer.accelerator", "cpu"]
+GPT2 = '{"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 64}'
+LM_FAST = ["--nsamples", "4", "--seqlen", "32", "--device", "cpu"]
+
+
+@pytest.fixture(scope="module")
+def small_eval(tmp_path_factory) -> list[str]:
+    """A short evaluation text and a CrowS-Pairs-format file, so each measurement takes a moment."""
+    from fairprune.data.text import lm_corpus, stereo_pairs
+
+    folder = tmp_path_factory.mktemp("eval")
+    (folder / "eval.txt").write_text(lm_corpus(train_docs=1, validation_docs=12, seed=5).validation)
+    rows = ["sent_more,sent_less,stereo_antistereo"] + [f'"{a}","{b}",stereo' for a, b in stereo_pairs()[::15]]
+    (folder / "pairs.csv").write_text("\n".join(rows) + "\n")
+    return ["--eval_text", str(folder / "eval.txt"), "--pairs", str(folder / "pairs.csv")]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Path:
+    """Train-then-prune in one run: the bundled GPT-2 config with SparseGPT when fit ends."""
+    out = tmp_path_factory.mktemp("lm")
+    status = train_main(["fit", "--config", str(ROOT / "configs/lm/tiny_gpt2_sparsegpt.yaml"), *TINY,
+                         "--model.init_args.config", GPT2, "--trainer.logger.init_args.save_dir", str(out),
+                         "--trainer.callbacks.init_args.nsamples", "4", "--trainer.callbacks.init_args.seqlen", "32",
+                         "--trainer.callbacks.init_args.device", "cpu"])
+    assert status == 0
+    return out / "lm" / "tiny_gpt2_sparsegpt"
+
+
+def test_fit_trains_then_prunes(trained):
+    dense = AutoModelForCausalLM.from_pretrained(trained / "model")
+    pruned = AutoModelForCausalLM.from_pretrained(trained / "pruned-sparsegpt")
+    report = json.loads((trained / "pruned-sparsegpt" / "report.json").read_text())
+    assert report["method"] == "sparsegpt" and report["achieved_sparsity"] == pytest.approx(0.5)
+    assert {"perplexity", "stereotype_score"} <= set(report["metrics"]) <= set(report["metrics"]) | set(report["reference"]["metrics"])
+    w_dense = dense.transformer.h[0].mlp.c_fc.weight
+    w_pruned = pruned.transformer.h[0].mlp.c_fc.weight
+    assert (w_pruned == 0).float().mean() == pytest.approx(0.5, abs=0.01)
+    assert (w_dense == 0).float().mean() < 0.01  # the dense export is untouched
+    dense_report = json.loads((trained / "report.json").read_text())
+    assert dense_report["metrics"]["perplexity"] > 1
+
+
+@pytest.mark.parametrize("method, sparsity", [("magnitude", "0.5"), ("wanda", "2:4"), ("sparsegpt", "2:4"),
+                                              ("debias-sparsegpt", "0.5")])
+def test_prune_commands_write_loadable_models(method, sparsity, trained, tmp_path, small_eval):
+    out = tmp_path / method
+    assert prune_main([method, "--model", str(trained / "model"), "--sparsity", sparsity, "--output", str(out), *LM_FAST,
+                       *small_eval]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert report["achieved_sparsity"] == pytest.approx(0.5, abs=1e-6)
+    assert report["nm"] == ("2:4" if ":" in sparsity else None)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    weight = model.transformer.h[1].attn.c_attn.weight  # Conv1D: [in, out]
+    if ":" in sparsity:  # every group of 4 consecutive inputs of an output keeps exactly 2
+        groups = (weight.T.reshape(weight.shape[1], -1, 4) != 0).sum(-1)
+        assert torch.all(groups == 2)
+    ids = torch.randint(0, model.config.vocab_size, (1, 16))
+    assert torch.isfinite(model(ids).logits).all()
+    assert pd.read_csv(out / "sparsity.csv")["sparsity"].between(0.49, 0.51).all()
+
+
+def test_compare_and_evaluate(trained, tmp_path, small_eval):
+    assert prune_main(["compare", "--model", str(trained / "model"), "--methods", "[magnitude, sparsegpt]",
+                       "--sparsities", '["0.5", "2:4"]', "--output", str(tmp_path), *LM_FAST, *small_eval]) == 0
+    table = pd.read_csv(tmp_path / "comparison.csv")
+    assert list(table["method"]) == ["dense", "magnitude", "magnitude", "sparsegpt", "sparsegpt"]
+    assert {"perplexity", "stereotype_score", "achieved_sparsity", "seconds"} <= set(table.columns)
+    assert prune_main(["evaluate", "--model", str(tmp_path / "sparsegpt_2of4"), "--output", str(tmp_path / "eval"),
+                       "--seqlen", "32", "--device", "cpu", *small_eval]) == 0
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["achieved_sparsity"] == pytest.approx(0.5)
+    assert report["metrics"]["perplexity"] == pytest.approx(table["perplexity"].iloc[4], rel=1e-4)
+
+
+def test_llama_config_trains(tmp_path):
+    llama = ('{"model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, '
+             '"hidden_size": 32, "intermediate_size": 64, "max_position_embeddings": 64}')
+    assert train_main(["fit", "--config", str(ROOT / "configs/lm/tiny_llama.yaml"), *TINY, "--model.init_args.config", llama,
+                       "--trainer.logger.init_args.save_dir", str(tmp_path)]) == 0
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "lm" / "tiny_llama" / "model").config.num_key_value_heads == 2
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["sparsegpt", "--sparsity", "1.2"], "[0, 1)"),
+    (["sparsegpt", "--sparsity", "4:2"], "N < M"),
+    (["wanda", "--sparsity", "3:5"], "divid"),
+])
+def test_bad_input_is_one_line(args, needle, trained, tmp_path, capsys, small_eval):
+    cmd = [*args, "--model", str(trained / "model"), "--output", str(tmp_path / "x"), *LM_FAST, *small_eval]
+    assert prune_main(cmd) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and needle in last
+
+
+def test_missing_model_path_is_one_line(tmp_path, capsys):
+    assert prune_main(["magnitude", "--model", str(tmp_path / "nothing"), "--output", str(tmp_path / "o")]) == 2
+    assert "does not exist" in capsys.readouterr().err.strip().splitlines()[-1]
