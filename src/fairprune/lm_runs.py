@@ -192,3 +192,30 @@ def compare_lm(model: str, methods: list[str], sparsities: list[float | str], ou
     (out / "comparison.md").write_text(markdown(table.set_index("method")) + "\n")
     write_json(out / "report.json", {"comparison": rows, "seconds": {"total": time.perf_counter() - start}})
     return table
+
+
+def run_fasp_cli(args) -> dict[str, Any]:
+    """``prune.py fasp``: score heads, select, remove, save, and write ``report.json``."""
+    import pandas as pd
+
+    from fairprune.data.prompts import read_prompts
+    from fairprune.pruning.fasp import Generation, run_fasp
+
+    for name in ("alpha",) + (("gamma",) if args.gamma is not None else ()):
+        if not 0.0 <= args[name] <= 1.0:
+            raise UserError(f"--{name} must be in [0, 1], got {args[name]}")
+    prompts = read_prompts(args.prompts) if args.prompts else None
+    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
+    model = load_causal_lm(args.model, args.trust_remote_code)
+    ppl_text = read_text(args.ppl_text) if args.ppl_text else None
+    eval_text = read_text(args.eval_text) if args.eval_text else None
+    report = run_fasp(model, tokenizer, prompts, ppl_text, args.method, args.gamma, args.alpha, args.axis, args.scorer,
+                      args.output, eval_text=eval_text, generation=Generation(max_new_tokens=args.max_new_tokens, seed=args.seed),
+                      seqlen=args.seqlen, seed=args.seed)
+    report.setdefault("model", args.model)
+    write_json(Path(args.output) / "report.json", report)
+    fairness = report.get("fairness", {}).get("bias", {})
+    print(f"[fasp] {args.method}: removed {len(report.get('heads_removed', []))} heads; perplexity "
+          f"{report['reference']['metrics']['perplexity']:.2f} → {report['metrics']['perplexity']:.2f}; bias {fairness}; "
+          f"written to {args.output}")
+    return report

@@ -5,6 +5,7 @@ Subcommands:
 - ``vision``: prune a trained vision checkpoint with one method, retraining between steps;
 - ``magnitude``, ``wanda``, ``sparsegpt``, ``debias-sparsegpt``: post-training pruning of a causal LM
   (unstructured or N:M), written as a transformers folder with its report;
+- ``fasp``: fairness-aware attention-head pruning (and its baselines) of a causal LM;
 - ``evaluate``: perplexity, paired stereotype score and sparsity of a causal LM;
 - ``compare``: several methods × sparsities from one vision checkpoint (``--ckpt``) or one causal
   LM (``--model``), one table (and plots for vision).
@@ -80,6 +81,25 @@ def build_parser() -> ArgumentParser:
         _lm_args(sub)
         commands.add_subcommand(method, sub)
 
+    fasp = ArgumentParser(description="FASP: remove the attention heads that most raise toxicity disparity, "
+                                      "protecting the heads perplexity needs.", exit_on_error=False)
+    fasp.add_argument("--config", action=ActionConfigFile)
+    fasp.add_argument("--model", type=str, required=True, help="hub name or folder of a causal LM")
+    fasp.add_argument("--method", type=str, default="fasp", help="fasp, fairness, performance, magnitude, gradient, random")
+    fasp.add_argument("--gamma", type=float | None, default=0.3, help="share of heads protected for perplexity; null = search on validation prompts")
+    fasp.add_argument("--alpha", type=float, default=0.1, help="share of all heads to remove")
+    fasp.add_argument("--axis", type=str, default="gender_and_sex", help="bias axis, or 'all'")
+    fasp.add_argument("--scorer", type=str, default="lexicon", help="'lexicon' (bundled) or an HF toxicity classifier name/folder")
+    fasp.add_argument("--prompts", type=str | None, default=None, help="HolisticBias-format CSV (text,axis,bucket,descriptor); default bundled")
+    fasp.add_argument("--ppl_text", type=str | None, default=None, help="text for head scoring perplexity (default: bundled)")
+    fasp.add_argument("--eval_text", type=str | None, default=None, help="text for the reported perplexity (default: --ppl_text)")
+    fasp.add_argument("--max_new_tokens", type=int, default=20)
+    fasp.add_argument("--seqlen", type=int, default=128)
+    fasp.add_argument("--output", type=str, required=True, help="folder: pruned model, head_scores.csv, report.json, plots")
+    fasp.add_argument("--trust_remote_code", type=bool, default=False)
+    fasp.add_argument("--seed", type=int, default=0)
+    commands.add_subcommand("fasp", fasp)
+
     evaluate = ArgumentParser(description="Perplexity, stereotype score and sparsity of a causal LM.", exit_on_error=False)
     evaluate.add_argument("--config", action=ActionConfigFile)
     evaluate.add_argument("--model", type=str, required=True)
@@ -121,6 +141,10 @@ def run(args: list[str] | None = None) -> Any:
         return run_llm_pruning(sub.model, cfg.command, sub.nm or sub.sparsity, sub.output, calib_text=sub.calib_text,
                                eval_text=sub.eval_text, pairs=sub.pairs, trust_remote_code=sub.trust_remote_code,
                                seed=sub.seed, **_lm_settings(sub))
+    if cfg.command == "fasp":
+        from fairprune.lm_runs import run_fasp_cli
+
+        return run_fasp_cli(sub)
     if cfg.command == "evaluate":
         from fairprune.lm_runs import evaluate_lm
 
