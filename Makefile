@@ -28,6 +28,10 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) bench/train_throughput.py
+	$(PY) bench/fairgrape_selection.py
+	$(PY) bench/sparsegpt.py
+	$(PY) bench/fasp_scoring.py
+	$(PY) bench/diff_pruning.py
 
 clean:
 	rm -rf runs .cache

@@ -21,6 +21,17 @@ def repo_root() -> Path:
     return ROOT
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny matrices gain nothing from threads, and on a shared 2-core machine they thrash."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def dense_ckpt(tmp_path_factory) -> Path:
     """A small dense vision checkpoint trained by the real CLI on the bundled synthetic faces."""

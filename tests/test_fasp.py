@@ -24,12 +24,7 @@ from fairprune.pruning.heads import HeadGates, head_weight_norms
 GEN = Generation(max_new_tokens=4, batch_size=64)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import sys
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from jsonargparse import ArgumentError
@@ -69,27 +69,32 @@ class FairpruneCLI(LightningCLI):
                 model_cfg.init_args[key] = list(value) if isinstance(value, (list, tuple)) else value
 
 
-def main(args: list[str] | None = None) -> int:
-    """Run the training CLI; return the process exit status."""
-    torch.set_float32_matmul_precision("high")
+def guarded(run: Callable[[], Any]) -> int:
+    """Run ``run``; a user mistake prints one line and gives status 2, a bug keeps its traceback."""
     try:
-        FairpruneCLI(
-            model_class=None,
-            datamodule_class=None,
-            subclass_mode_model=True,
-            subclass_mode_data=True,
-            trainer_defaults=TRAINER_DEFAULTS,
-            save_config_kwargs={"overwrite": True},
-            parser_kwargs={"exit_on_error": False},
-            args=args,
-        )
-    except Exception as err:  # noqa: BLE001 - user mistakes become one line, bugs keep their traceback
+        run()
+    except Exception as err:  # noqa: BLE001 - re-raised unless it is the user's mistake
         user = user_error_in(err)
         if user is None:
             raise
         print(f"error: {one_line(user)}", file=sys.stderr)
         return 2
     return 0
+
+
+def main(args: list[str] | None = None) -> int:
+    """Run the training CLI; return the process exit status."""
+    torch.set_float32_matmul_precision("high")
+    return guarded(lambda: FairpruneCLI(
+        model_class=None,
+        datamodule_class=None,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        trainer_defaults=TRAINER_DEFAULTS,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"exit_on_error": False},
+        args=args,
+    ))
 
 
 def user_error_in(err: BaseException) -> BaseException | None:

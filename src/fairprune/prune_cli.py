@@ -16,13 +16,12 @@ overrides; ``--print_config`` shows the resolved configuration.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from fairprune.callbacks.pruning import IterativePruning
-from fairprune.cli import one_line, user_error_in
+from fairprune.cli import guarded
 from fairprune.errors import UserError
 
 
@@ -173,12 +172,4 @@ def run(args: list[str] | None = None) -> Any:
 
 
 def main(args: list[str] | None = None) -> int:
-    try:
-        run(args)
-    except Exception as err:  # noqa: BLE001 - user mistakes become one line, bugs keep their traceback
-        user = user_error_in(err)
-        if user is None:
-            raise
-        print(f"error: {one_line(user)}", file=sys.stderr)
-        return 2
-    return 0
+    return guarded(lambda: run(args))

@@ -29,9 +29,13 @@ class ReportWriter(L.Callback):
         self.filename = filename
         self.print_table = print_table
         self._start = time.perf_counter()
+        self._fitted = False
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._start = time.perf_counter()
+        # A fit followed by a test on the same trainer (pruning runs) counts from the fit's start.
+        if stage == "fit" or not self._fitted:
+            self._start = time.perf_counter()
+        self._fitted = self._fitted or stage == "fit"
 
     def _fields(self, trainer: L.Trainer) -> dict[str, Any]:
         fields: dict[str, Any] = {"method": "dense"}

@@ -21,7 +21,7 @@ from torch import nn
 
 from fairprune.data.text_classification import minilm_path, resolve_pretrained
 from fairprune.errors import UserError
-from fairprune.metrics.group import GroupRates
+from fairprune.models.grouped import GroupEvaluation
 from fairprune.pruning.diff import attach_gates_for, l0_penalty, param_groups
 
 __all__ = ["SequenceClassifier", "build_sequence_classifier", "load_sequence_classifier", "minilm_path", "tiny_bert_config"]
@@ -72,7 +72,7 @@ def _unpack(batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch
     return tuple(batch)  # type: ignore[return-value]
 
 
-class SequenceClassifier(L.LightningModule):
+class SequenceClassifier(GroupEvaluation, L.LightningModule):
     """Text classifier whose every evaluation is broken down by demographic group.
 
     Args:
@@ -118,20 +118,10 @@ class SequenceClassifier(L.LightningModule):
             self.model = build_sequence_classifier(config, len(self.class_names), vocab_size, tokenizer)
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.loss = nn.CrossEntropyLoss()
-        self.stage_metrics = nn.ModuleDict({
-            stage: GroupRates(len(self.class_names), len(self.group_names), self.group_names, self.class_names)
-            for stage in ("val", "test")
-        })
-        self.last_results: dict[str, dict[str, float]] = {}
+        self.init_group_metrics(self.class_names, self.group_names)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
-
-    def set_reference(self, accuracy_by_group: dict[str, float], stage: str | None = None) -> None:
-        """Store a reference model's per-group accuracy; later evaluations report the degradation."""
-        for name, metric in self.stage_metrics.items():
-            if stage in (None, name):
-                metric.set_reference(accuracy_by_group)
 
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # A Diff-Pruning checkpoint holds gated weights: give the fresh model the same gates first.
@@ -151,26 +141,13 @@ class SequenceClassifier(L.LightningModule):
         ids, mask, y, g = _unpack(batch)
         logits = self(ids, mask)
         self.log(f"{stage}/loss", self.loss(logits, y), prog_bar=stage == "val", batch_size=len(y))
-        self.stage_metrics[stage].update(logits, y, g)
+        self.update_group_metrics(stage, logits, y, g)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._eval_step("val", batch)
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self._eval_step("test", batch)
-
-    def _eval_epoch_end(self, stage: str) -> None:
-        results = {k: float(v) for k, v in self.stage_metrics[stage].compute().items()}
-        self.stage_metrics[stage].reset()
-        self.last_results[stage] = results
-        self.log_dict({f"{stage}/{k}": v for k, v in results.items() if k != "acc"})
-        self.log(f"{stage}/acc", results["acc"], prog_bar=True)
-
-    def on_validation_epoch_end(self) -> None:
-        self._eval_epoch_end("val")
-
-    def on_test_epoch_end(self) -> None:
-        self._eval_epoch_end("test")
 
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(param_groups(self))

@@ -19,7 +19,7 @@ from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 
 from fairprune.errors import UserError, suggest
-from fairprune.metrics.group import GroupRates
+from fairprune.models.grouped import GroupEvaluation
 from fairprune.pruning.masks import attach_masks_for, ordered_parameters
 
 
@@ -68,7 +68,7 @@ def build_backbone(name: str, num_classes: int, pretrained: bool = False, **kwar
     )
 
 
-class VisionClassifier(L.LightningModule):
+class VisionClassifier(GroupEvaluation, L.LightningModule):
     """Image classifier whose every evaluation is broken down by demographic group.
 
     Args:
@@ -102,11 +102,7 @@ class VisionClassifier(L.LightningModule):
         self.net = build_backbone(backbone, len(self.class_names), pretrained, **(backbone_kwargs or {}))
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.loss = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
-        self.stage_metrics = nn.ModuleDict({
-            stage: GroupRates(len(self.class_names), len(self.group_names), self.group_names, self.class_names)
-            for stage in ("val", "test")
-        })
-        self.last_results: dict[str, dict[str, float]] = {}
+        self.init_group_metrics(self.class_names, self.group_names)
 
     # -- model ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -125,13 +121,6 @@ class VisionClassifier(L.LightningModule):
         return captured[0]
 
     # -- reference for degradation ---------------------------------------------------------------
-    def set_reference(self, accuracy_by_group: dict[str, float], stage: str | None = None) -> None:
-        """Store the dense model's per-group accuracy (for one stage, or all); later evaluations
-        of that stage report each group's degradation."""
-        for name, metric in self.stage_metrics.items():
-            if stage in (None, name):
-                metric.set_reference(accuracy_by_group)
-
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # A pruned checkpoint holds weight_orig / weight_mask: mirror that before the state loads.
         attach_masks_for(self, checkpoint["state_dict"])
@@ -147,26 +136,13 @@ class VisionClassifier(L.LightningModule):
         x, y, g = batch
         logits = self(x)
         self.log(f"{stage}/loss", self.loss(logits, y), prog_bar=stage == "val", batch_size=len(y))
-        self.stage_metrics[stage].update(logits, y, g)
+        self.update_group_metrics(stage, logits, y, g)
 
     def validation_step(self, batch: Any, batch_idx: int) -> None:
         self._eval_step("val", batch)
 
     def test_step(self, batch: Any, batch_idx: int) -> None:
         self._eval_step("test", batch)
-
-    def _eval_epoch_end(self, stage: str) -> None:
-        results = {k: float(v) for k, v in self.stage_metrics[stage].compute().items()}
-        self.stage_metrics[stage].reset()
-        self.last_results[stage] = results
-        self.log_dict({f"{stage}/{k}": v for k, v in results.items() if k != "acc"})
-        self.log(f"{stage}/acc", results["acc"], prog_bar=True)
-
-    def on_validation_epoch_end(self) -> None:
-        self._eval_epoch_end("val")
-
-    def on_test_epoch_end(self) -> None:
-        self._eval_epoch_end("test")
 
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(ordered_parameters(self))
