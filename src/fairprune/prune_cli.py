@@ -6,6 +6,7 @@ Subcommands:
 - ``magnitude``, ``wanda``, ``sparsegpt``, ``debias-sparsegpt``: post-training pruning of a causal LM
   (unstructured or N:M), written as a transformers folder with its report;
 - ``fasp``: fairness-aware attention-head pruning (and its baselines) of a causal LM;
+- ``diff-compare``: full fine-tuning, fine-tuning + pruned difference and Diff-Pruning, one table;
 - ``evaluate``: perplexity, paired stereotype score and sparsity of a causal LM;
 - ``compare``: several methods × sparsities from one vision checkpoint (``--ckpt``) or one causal
   LM (``--model``), one table (and plots for vision).
@@ -99,6 +100,18 @@ def build_parser() -> ArgumentParser:
     fasp.add_argument("--seed", type=int, default=0)
     commands.add_subcommand("fasp", fasp)
 
+    diff = ArgumentParser(description="Full fine-tuning vs fine-tuning + magnitude-pruned difference vs Diff-Pruning, "
+                                      "one table, from a train.py text config.", exit_on_error=False)
+    diff.add_argument("--config", action=ActionConfigFile)
+    diff.add_argument("--train_config", type=str, required=True, help="a train.py config (model + data), e.g. configs/text/diffprune_bios.yaml")
+    diff.add_argument("--overrides", type=list[str], default=[], help="extra train.py arguments, e.g. ['--data.bios_size', '400']")
+    diff.add_argument("--target_fraction", type=float, default=0.005, help="share of weights the difference may change")
+    diff.add_argument("--epochs", type=int, default=3, help="epochs of full fine-tuning and of gated training")
+    diff.add_argument("--finetune_epochs", type=int, default=1, help="epochs of fixed-mask fine-tuning")
+    diff.add_argument("--trainer", type=dict[str, Any], default={}, help="Trainer arguments (accelerator, limit_train_batches, ...)")
+    diff.add_argument("--output", type=str, default="runs/diff_compare")
+    commands.add_subcommand("diff-compare", diff)
+
     evaluate = ArgumentParser(description="Perplexity, stereotype score and sparsity of a causal LM.", exit_on_error=False)
     evaluate.add_argument("--config", action=ActionConfigFile)
     evaluate.add_argument("--model", type=str, required=True)
@@ -144,6 +157,8 @@ def run(args: list[str] | None = None) -> Any:
         from fairprune.lm_runs import run_fasp_cli
 
         return run_fasp_cli(sub)
+    if cfg.command == "diff-compare":
+        return diff_compare(sub)
     if cfg.command == "evaluate":
         from fairprune.lm_runs import evaluate_lm
 
@@ -169,6 +184,31 @@ def run(args: list[str] | None = None) -> Any:
         print(f"[compare] written to {sub.output}/comparison.csv, comparison.md and plots")
         return table
     raise AssertionError(cfg.command)
+
+
+def diff_compare(sub) -> Any:
+    """Build the model and data of a train.py config (without running it) and compare the three
+    ways of fine-tuning them; writes comparison.csv / .md and report.json to ``--output``."""
+    from pathlib import Path
+
+    from fairprune.callbacks.diff_pruning import compare_diff_pruning
+    from fairprune.cli import FairpruneCLI
+    from fairprune.reports import markdown, write_json
+
+    cli = FairpruneCLI(model_class=None, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
+                       run=False, save_config_callback=None, parser_kwargs={"exit_on_error": False},
+                       args=["--config", sub.train_config, *sub.overrides])
+    out = Path(sub.output)
+    table = compare_diff_pruning(cli.model, cli.datamodule, sub.target_fraction, sub.epochs, sub.finetune_epochs,
+                                 out, dict(sub.trainer))
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / "comparison.csv", index_label="method")
+    (out / "comparison.md").write_text(markdown(table) + "\n")
+    write_json(out / "report.json", {"comparison": table.reset_index(names="method").to_dict(orient="records"),
+                                     "target_fraction": sub.target_fraction})
+    print("\n" + markdown(table) + "\n")
+    print(f"[diff-compare] written to {out}/comparison.csv and comparison.md")
+    return table
 
 
 def main(args: list[str] | None = None) -> int:
