@@ -114,3 +114,33 @@ def test_bad_input_is_one_line(args, needle, trained, tmp_path, capsys, small_ev
 def test_missing_model_path_is_one_line(tmp_path, capsys):
     assert prune_main(["magnitude", "--model", str(tmp_path / "nothing"), "--output", str(tmp_path / "o")]) == 2
     assert "does not exist" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_fasp_command_and_head_compare(trained, tmp_path, small_eval):
+    from fairprune.data.prompts import holistic_prompts
+
+    prompts = holistic_prompts(["gender_and_sex"]).groupby("bucket").head(6)
+    prompts.to_csv(tmp_path / "prompts.csv", index=False)
+    common = ["--prompts", str(tmp_path / "prompts.csv"), "--max_new_tokens", "2", "--seqlen", "32"]
+    out = tmp_path / "fasp"
+    assert prune_main(["fasp", "--model", str(trained / "model"), "--gamma", "0.25", "--alpha", "0.25",
+                       "--output", str(out), "--ppl_text", small_eval[1], *common]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["heads_removed"]) == 1 and len(report["protected"]) == 1  # 4 heads: ⌊0.25·4⌋ each
+    assert tuple(report["heads_removed"][0]) != tuple(report["protected"][0])
+    assert AutoModelForCausalLM.from_pretrained(out / "model") is not None
+    assert len(pd.read_csv(out / "head_scores.csv")) == 5  # the unpruned model + 4 heads
+
+    table_out = tmp_path / "heads"
+    assert prune_main(["compare", "--model", str(trained / "model"), "--methods", "[fasp, performance, random]",
+                       "--alphas", "[0.25, 0.5]", "--gamma", "0.25", "--eval_text", small_eval[1],
+                       "--output", str(table_out), *common]) == 0
+    table = pd.read_csv(table_out / "comparison.csv")
+    assert list(table["method"]) == ["dense", "fasp", "fasp", "performance", "performance", "random", "random"]
+    assert list(table["heads_removed"]) == [0, 1, 2, 1, 2, 1, 2]
+    assert "bias/gender_and_sex" in table.columns
+
+
+def test_fasp_bad_ratio_is_one_line(trained, tmp_path, capsys):
+    assert prune_main(["fasp", "--model", str(trained / "model"), "--alpha", "1.5", "--output", str(tmp_path)]) == 2
+    assert "--alpha" in capsys.readouterr().err.strip().splitlines()[-1]

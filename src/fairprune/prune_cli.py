@@ -131,6 +131,13 @@ def build_parser() -> ArgumentParser:
     compare.add_argument("--methods", type=list[str], default=["magnitude", "fairgrape"])
     compare.add_argument("--sparsities", type=list[str | float], default=[0.9], help="vision: fractions; LM: fractions or N:M")
     compare.add_argument("--pruning", type=dict[str, Any], default={}, help="vision: settings shared by every method (keep_per_iter, ...)")
+    compare.add_argument("--alphas", type=list[float] | None, default=None,
+                         help="head pruning (FASP and baselines) at these α instead of weight sparsities")
+    compare.add_argument("--gamma", type=float | None, default=0.3, help="FASP's protected share (with --alphas)")
+    compare.add_argument("--axis", type=str, default="gender_and_sex", help="bias axis or 'all' (with --alphas)")
+    compare.add_argument("--scorer", type=str, default="lexicon", help="toxicity scorer (with --alphas)")
+    compare.add_argument("--prompts", type=str | None, default=None, help="HolisticBias-format CSV (with --alphas)")
+    compare.add_argument("--max_new_tokens", type=int, default=20, help="continuation length (with --alphas)")
     _lm_args(compare)
     commands.add_subcommand("compare", compare)
     return parser
@@ -169,7 +176,14 @@ def run(args: list[str] | None = None) -> Any:
 
         if (sub.ckpt is None) == (sub.model is None):
             raise UserError("compare needs exactly one of --ckpt (a vision checkpoint) or --model (a causal LM)")
-        if sub.model is not None:
+        if sub.model is not None and sub.alphas:
+            from fairprune.lm_runs import compare_fasp
+
+            table = compare_fasp(sub.model, sub.methods, sub.alphas, sub.output, gamma=sub.gamma, axis=sub.axis,
+                                 scorer=sub.scorer, prompts=sub.prompts, ppl_text=sub.eval_text,
+                                 max_new_tokens=sub.max_new_tokens, seqlen=sub.seqlen,
+                                 trust_remote_code=sub.trust_remote_code, seed=sub.seed)
+        elif sub.model is not None:
             from fairprune.lm_runs import compare_lm
 
             table = compare_lm(sub.model, sub.methods, sub.sparsities, sub.output, calib_text=sub.calib_text,

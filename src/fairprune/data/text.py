@@ -119,6 +119,10 @@ def _sentence(rng: random.Random, who: str, pron: str) -> str:
         lambda: f"Because the {_pick(rng, _OBJECTS)} was {_pick(rng, _THING_ADJECTIVES)}, {inner} {verb} {_thing(rng, _VERBS[verb])}.",
         lambda: f"{subject} was {_pick(rng, _PERSON_ADJECTIVES)} and {_pick(rng, _PERSON_ADJECTIVES)} {time}.",
         lambda: _pick(rng, _WEATHER).format(place=place, time=time),
+        # The protagonist's pronoun inside the sentence that names them, as in the paired set.
+        lambda: f"{subject} said that {pron} was {_pick(rng, _PERSON_ADJECTIVES)} {time}.",
+        lambda: f"{subject} took {poss} {_pick(rng, _OBJECTS)} to the {place}.",
+        lambda: f"{subject} smiled because {pron} had {verb} {_thing(rng, _VERBS[verb])}.",
     ]
     return _pick(rng, forms)()
 
