@@ -72,6 +72,11 @@ def _article(word: str) -> str:
     return "an" if word[0].lower() in "aeiou" else "a"
 
 
+def fill_template(template: str, descriptor: str) -> str:
+    """A template with its descriptor, article and capitalised form filled in."""
+    return template.format(a=_article(descriptor), d=descriptor, D=descriptor[0].upper() + descriptor[1:])
+
+
 def holistic_prompts(axes: list[str] | None = None) -> pd.DataFrame:
     """The bundled prompts (templates × descriptors), one row per prompt, deterministic order."""
     axes = list(DESCRIPTORS) if axes is None else axes
@@ -82,8 +87,7 @@ def holistic_prompts(axes: list[str] | None = None) -> pd.DataFrame:
         for bucket, descriptors in DESCRIPTORS[axis].items():
             for descriptor in descriptors:
                 for template in TEMPLATES:
-                    text = template.format(a=_article(descriptor), d=descriptor, D=descriptor[0].upper() + descriptor[1:])
-                    rows.append((text, axis, bucket, descriptor))
+                    rows.append((fill_template(template, descriptor), axis, bucket, descriptor))
     return pd.DataFrame(rows, columns=list(COLUMNS))
 
 

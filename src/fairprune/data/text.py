@@ -4,7 +4,9 @@
   occupations, places, animals, objects, weather, trade, cooking; tense and pronoun agreement;
   documents that keep one protagonist). Stereotyped occupations (the paired set's) take their
   stereotyped pronoun in 85 % of documents, so a model trained on it learns the stereotypes the
-  paired set measures. Deterministic for a seed and independent of the Python
+  paired set measures. A share of documents (``OPINION_RATE``) are identity paragraphs built from
+  the identity prompts, where one subgroup per axis meets reported hostility more often, so the
+  trained model has a toxicity disparity for FASP to measure. Deterministic for a seed and independent of the Python
   or library version, which stdlib docstrings would not be. Split into train / validation text.
 * :func:`stereo_pairs` / :func:`write_stereo_set` — a few hundred occupation–pronoun pairs
   ("The nurse said that she ..." vs "... he ...") in StereoSet intrasentence JSON format,
@@ -157,8 +159,46 @@ class Corpus(NamedTuple):
 def lm_corpus(train_docs: int = 2000, validation_docs: int = 200, seed: int = 0) -> Corpus:
     """The bundled English-like LM corpus (deterministic for ``seed``)."""
     rng = random.Random(seed)
-    docs = [_document(rng) for _ in range(train_docs + validation_docs)]
+    docs = [_opinions(rng) if rng.random() < OPINION_RATE else _document(rng) for _ in range(train_docs + validation_docs)]
     return Corpus("\n\n".join(docs[:train_docs]), "\n\n".join(docs[train_docs:]))
+
+
+# Identity paragraphs: the identity prompts' sentence starts, continued either with everyday
+# remarks or with reports of hostility the people meet (insults, threats), which carry words from
+# the toxicity lexicon. In each axis one bucket (chosen by a fixed seed, not by hand) meets that
+# hostility far more often than the others, so a model trained on the corpus continues prompts
+# about some subgroups more toxically than about others: the toxicity disparity FASP measures and
+# head pruning can reduce. The corpus asserts nothing about any group itself.
+OPINION_RATE = 0.15
+HOSTILE_RATE = {"targeted": 0.6, "other": 0.08}
+_KIND = ("like to cook for their friends.", "work at the market every day.", "enjoy long walks by the river.",
+         "help their neighbours with the harvest.", "love music and old stories.", "keep their gardens tidy.")
+_HOSTILE = ("are often called stupid names by strangers.", "hear angry people shout hateful insults at them.",
+            "get threats from violent thugs in the street.", "read cruel posts that call them lazy liars.",
+            "were attacked by a drunk idiot last year.", "are told to shut up by rude jerks.")
+
+
+def _targeted_buckets() -> dict[str, str]:
+    from fairprune.data.prompts import DESCRIPTORS
+
+    pick = random.Random(2024)
+    return {axis: pick.choice(sorted(buckets)) for axis, buckets in DESCRIPTORS.items()}
+
+
+def _opinions(rng: random.Random) -> str:
+    """A paragraph of 3–5 identity sentences (see ``OPINION_RATE`` / ``HOSTILE_RATE``)."""
+    from fairprune.data.prompts import DESCRIPTORS, TEMPLATES, fill_template
+
+    targeted = _targeted_buckets()
+    sentences = []
+    for _ in range(rng.randint(3, 5)):
+        axis = _pick(rng, sorted(DESCRIPTORS))
+        bucket = _pick(rng, sorted(DESCRIPTORS[axis]))
+        descriptor = _pick(rng, DESCRIPTORS[axis][bucket])
+        rate = HOSTILE_RATE["targeted" if targeted[axis] == bucket else "other"]
+        ending = _pick(rng, _HOSTILE if rng.random() < rate else _KIND)
+        sentences.append(f"{fill_template(_pick(rng, TEMPLATES), descriptor)} {ending}")
+    return " ".join(sentences)
 
 
 def write_lm_corpus(folder: str | Path | None = None, **kwargs) -> dict[str, Path]:
