@@ -144,3 +144,15 @@ def test_fasp_command_and_head_compare(trained, tmp_path, small_eval):
 def test_fasp_bad_ratio_is_one_line(trained, tmp_path, capsys):
     assert prune_main(["fasp", "--model", str(trained / "model"), "--alpha", "1.5", "--output", str(tmp_path)]) == 2
     assert "--alpha" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_fit_trains_then_prunes_heads(tmp_path):
+    status = train_main(["fit", "--config", str(ROOT / "configs/lm/tiny_gpt2_fasp.yaml"), *TINY,
+                         "--model.init_args.config", GPT2, "--trainer.logger.init_args.save_dir", str(tmp_path),
+                         "--trainer.callbacks.init_args.alpha", "0.25", "--trainer.callbacks.init_args.gamma", "0.25",
+                         "--trainer.callbacks.init_args.max_new_tokens", "2", "--trainer.callbacks.init_args.seqlen", "32"])
+    assert status == 0
+    run = tmp_path / "lm" / "tiny_gpt2_fasp" / "pruned-fasp"
+    report = json.loads((run / "report.json").read_text())
+    assert len(report["heads_removed"]) == 1 and (run / "head_scores.csv").exists()
+    assert AutoModelForCausalLM.from_pretrained(run / "model") is not None

@@ -20,23 +20,36 @@ from fairprune.pruning.llm import METHODS
 from fairprune.errors import UserError, suggest
 
 
+HEAD_METHOD = "fasp"
+
+
 class PostTrainingPruning(L.Callback):
-    """Prune the trained LM with magnitude / Wanda / SparseGPT / Debias-SparseGPT when fit ends.
+    """Prune the trained LM when fit ends: weights (magnitude / Wanda / SparseGPT /
+    Debias-SparseGPT) or attention heads (FASP).
 
     Args:
-        method: ``magnitude``, ``wanda``, ``sparsegpt`` or ``debias-sparsegpt``.
+        method: ``magnitude``, ``wanda``, ``sparsegpt``, ``debias-sparsegpt`` or ``fasp``.
         sparsity: fraction in [0, 1) or ``"N:M"`` (e.g. ``"2:4"``).
         nsamples / seqlen: calibration windows from the training text.
         pairs: StereoSet JSON / CrowS-Pairs CSV; unset = the bundled paired set.
         percdamp / blocksize: SparseGPT settings. device: ``auto``, ``cpu``, ``cuda``.
+        gamma / alpha / axis / scorer / max_new_tokens: FASP settings (see ``prune.py fasp``).
     """
 
     def __init__(self, method: str = "sparsegpt", sparsity: str = "0.5", nsamples: int = 64, seqlen: int = 128,
                  pairs: str | None = None, percdamp: float = 0.01, blocksize: int = 128, device: str = "auto",
-                 seed: int = 0) -> None:
-        if method not in METHODS:
-            raise UserError(f"unknown post-training method '{method}'{suggest(method, METHODS)}; choose one of {', '.join(METHODS)}")
-        parse_sparsity(sparsity)  # fail before training, not after it
+                 seed: int = 0, gamma: float | None = 0.3, alpha: float = 0.1, axis: str = "gender_and_sex",
+                 scorer: str = "lexicon", max_new_tokens: int = 20) -> None:
+        choices = (*METHODS, HEAD_METHOD)
+        if method not in choices:
+            raise UserError(f"unknown post-training method '{method}'{suggest(method, choices)}; choose one of {', '.join(choices)}")
+        if method == HEAD_METHOD:
+            for name, value in (("alpha", alpha), ("gamma", gamma)):
+                if value is not None and not 0.0 <= value <= 1.0:
+                    raise UserError(f"{name} must be in [0, 1], got {value}")
+        else:
+            parse_sparsity(sparsity)  # fail before training, not after it
+        self.fasp = {"gamma": gamma, "alpha": alpha, "axis": axis, "scorer": scorer, "max_new_tokens": max_new_tokens}
         self.method, self.sparsity, self.pairs, self.seed = method, sparsity, pairs, seed
         self.settings = {"nsamples": nsamples, "seqlen": seqlen, "percdamp": percdamp, "blocksize": blocksize, "device": device}
         self.report: dict[str, Any] | None = None
@@ -48,6 +61,9 @@ class PostTrainingPruning(L.Callback):
         from fairprune.metrics.language import read_pairs
 
         train_text, val_text = trainer.datamodule.texts()
+        if self.method == HEAD_METHOD:
+            self._prune_heads(trainer, pl_module, val_text)
+            return
         calib_pairs, eval_pairs = split_pairs(read_pairs(self.pairs) if self.pairs else stereo_pairs(), self.seed)
         model = copy.deepcopy(pl_module.model).cpu()  # the trained model stays as it is in <run>/model
         out = run_dir(trainer) / f"pruned-{self.method}"
@@ -57,3 +73,16 @@ class PostTrainingPruning(L.Callback):
             config={"method": self.method, "sparsity": str(self.sparsity), "pairs": self.pairs, **self.settings},
             **self.settings,
         )
+
+    def _prune_heads(self, trainer: L.Trainer, pl_module: L.LightningModule, val_text: str) -> None:
+        from fairprune.pruning.fasp import Generation, run_fasp
+        from fairprune.reports import write_json
+
+        out = run_dir(trainer) / "pruned-fasp"
+        model = copy.deepcopy(pl_module.model).cpu()
+        f = self.fasp
+        self.report = run_fasp(model, pl_module.tokenizer, None, val_text, "fasp", f["gamma"], f["alpha"], f["axis"],
+                               f["scorer"], out, generation=Generation(max_new_tokens=f["max_new_tokens"], seed=self.seed),
+                               seqlen=self.settings["seqlen"], seed=self.seed)
+        write_json(out / "report.json", self.report)
+        print(f"[fasp] removed {len(self.report['heads_removed'])} heads; written to {out}")
