@@ -209,6 +209,9 @@ def diff_compare(sub) -> Any:
     from fairprune.cli import FairpruneCLI
     from fairprune.reports import markdown, write_json
 
+    import warnings
+
+    warnings.filterwarnings("ignore", message="LightningCLI's args parameter")  # prune.py's own argv is not train.py's
     cli = FairpruneCLI(model_class=None, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
                        run=False, save_config_callback=None, parser_kwargs={"exit_on_error": False},
                        args=["--config", sub.train_config, *sub.overrides])

@@ -1,7 +1,7 @@
 """What every classifier in fairprune shares: per-group evaluation every epoch.
 
 A LightningModule that mixes in :class:`GroupEvaluation` calls :meth:`init_group_metrics` in its
-``__init__`` and :meth:`update_group_metrics` in its validation / test steps; the mixin logs the
+``__init__`` and defines ``_eval_step(stage, batch)``, which calls :meth:`update_group_metrics`; the mixin logs the
 group-fairness figures at each epoch end under stable names (``val/acc/<group>``,
 ``val/acc_gap``, ...), keeps ``last_results[stage]`` for the report writer, and carries the dense
 reference that turns accuracies into degradations.
@@ -35,6 +35,15 @@ class GroupEvaluation:
 
     def update_group_metrics(self, stage: str, logits: torch.Tensor, target: torch.Tensor, groups: torch.Tensor) -> None:
         self.stage_metrics[stage].update(logits, target, groups)
+
+    def _eval_step(self, stage: str, batch) -> None:  # pragma: no cover - each classifier defines it
+        raise NotImplementedError
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self._eval_step("val", batch)
+
+    def test_step(self, batch, batch_idx: int) -> None:
+        self._eval_step("test", batch)
 
     def _group_epoch_end(self, stage: str) -> None:
         results = {k: float(v) for k, v in self.stage_metrics[stage].compute().items()}

@@ -90,6 +90,7 @@ class CausalLM(L.LightningModule):
             self.tokenizer = load_tokenizer(tokenizer_path)
         if model is not None:
             self.model = load_causal_lm(model, trust_remote_code)
+            self.model.train()  # from_pretrained returns eval mode, and Lightning keeps submodule modes
         else:
             if vocab_size is None:
                 raise UserError("a new model needs vocab_size (linked from the data module's tokenizer)")

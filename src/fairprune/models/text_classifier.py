@@ -113,6 +113,7 @@ class SequenceClassifier(GroupEvaluation, L.LightningModule):
         if model is not None:
             self.base_name_or_path: str | None = resolve_pretrained(model)
             self.model = load_sequence_classifier(model, len(self.class_names), trust_remote_code)
+            self.model.train()  # from_pretrained returns eval mode, and Lightning keeps submodule modes
         else:
             self.base_name_or_path = None  # a new model: its starting weights exist only in this run
             self.model = build_sequence_classifier(config, len(self.class_names), vocab_size, tokenizer)
@@ -142,12 +143,6 @@ class SequenceClassifier(GroupEvaluation, L.LightningModule):
         logits = self(ids, mask)
         self.log(f"{stage}/loss", self.loss(logits, y), prog_bar=stage == "val", batch_size=len(y))
         self.update_group_metrics(stage, logits, y, g)
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self._eval_step("val", batch)
-
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        self._eval_step("test", batch)
 
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(param_groups(self))

@@ -138,12 +138,6 @@ class VisionClassifier(GroupEvaluation, L.LightningModule):
         self.log(f"{stage}/loss", self.loss(logits, y), prog_bar=stage == "val", batch_size=len(y))
         self.update_group_metrics(stage, logits, y, g)
 
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        self._eval_step("val", batch)
-
-    def test_step(self, batch: Any, batch_idx: int) -> None:
-        self._eval_step("test", batch)
-
     def configure_optimizers(self) -> Any:
         optimizer = self.optimizer_factory(ordered_parameters(self))
         if self.scheduler_factory is None:
