@@ -106,15 +106,21 @@ def test_gates_reject_unknown_heads():
         gates.set(torch.ones(3, 3))
 
 
-@pytest.mark.parametrize("loadable", [False, True], ids=["sliced", "loadable"])
-@pytest.mark.parametrize("heads", list(HEAD_SETS))
-@pytest.mark.parametrize("model_type", list(BUILDERS))
-def test_removed_heads_equal_gated_heads(model_type, heads, loadable):
+def gated_setup(model_type: str, heads: str):
+    """A fresh model, the head set, and the logits with those heads gated off."""
     model = build(model_type)
     chosen = HEAD_SETS[heads]
     gates = HeadGates(model)
     with gates, gates.off(chosen):
         gated = logits(model)
+    return model, chosen, gated
+
+
+@pytest.mark.parametrize("loadable", [False, True], ids=["sliced", "loadable"])
+@pytest.mark.parametrize("heads", list(HEAD_SETS))
+@pytest.mark.parametrize("model_type", list(BUILDERS))
+def test_removed_heads_equal_gated_heads(model_type, heads, loadable):
+    model, chosen, gated = gated_setup(model_type, heads)
     before = sum(p.numel() for p in model.parameters())
     report = remove_heads(model, chosen, loadable=loadable)
     assert torch.allclose(logits(model), gated, atol=1e-5)
@@ -138,11 +144,7 @@ def expected_heads_left(model_type: str, chosen, layers: int = 2, heads: int = 4
 @pytest.mark.parametrize("heads", list(HEAD_SETS))
 @pytest.mark.parametrize("model_type", ["gpt2", "gpt_neo", "llama", "opt"])
 def test_saved_model_reloads_with_plain_from_pretrained(model_type, heads, tmp_path):
-    model = build(model_type)
-    chosen = HEAD_SETS[heads]
-    gates = HeadGates(model)
-    with gates, gates.off(chosen):
-        gated = logits(model)
+    model, chosen, gated = gated_setup(model_type, heads)
     remove_heads(model, chosen)
     model.save_pretrained(tmp_path)
     reloaded = type(model).from_pretrained(tmp_path).eval()

@@ -11,9 +11,9 @@
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import sys
+from pkgutil import resolve_name
 from typing import Any, Callable
 
 import torch
@@ -37,11 +37,6 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 LINKED = ("class_names", "group_names", "tokenizer_path", "vocab_size")
 
 
-def _resolve(class_path: str) -> type:
-    module, _, name = class_path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
-
 class FairpruneCLI(LightningCLI):
     """LightningCLI that links data facts into the model and writes reports."""
 
@@ -55,8 +50,8 @@ class FairpruneCLI(LightningCLI):
         data_cfg, model_cfg = cfg.get("data"), cfg.get("model")
         if not data_cfg or not model_cfg or "class_path" not in data_cfg or "class_path" not in model_cfg:
             return
-        data_cls = _resolve(data_cfg.class_path)
-        accepted = inspect.signature(_resolve(model_cfg.class_path).__init__).parameters
+        data_cls = resolve_name(data_cfg.class_path)
+        accepted = inspect.signature(resolve_name(model_cfg.class_path).__init__).parameters
         wanted = [k for k in LINKED if k in accepted and model_cfg.init_args.get(k) is None]
         if not wanted:
             return

@@ -196,7 +196,6 @@ def compare_lm(model: str, methods: list[str], sparsities: list[float | str], ou
 
 def run_fasp_cli(args) -> dict[str, Any]:
     """``prune.py fasp``: score heads, select, remove, save, and write ``report.json``."""
-    import pandas as pd
 
     from fairprune.data.prompts import read_prompts
     from fairprune.pruning.fasp import Generation, run_fasp

@@ -8,10 +8,10 @@ between steps with a real Trainer, test, and write the usual run folder.
 
 from __future__ import annotations
 
-import importlib
 import json
 import time
 from pathlib import Path
+from pkgutil import resolve_name
 from typing import Any
 
 import lightning as L
@@ -28,11 +28,6 @@ from fairprune.errors import UserError
 from fairprune.reports import markdown, plot_error_rate_changes, plot_group_shares, write_json
 
 
-def _class(path: str) -> type:
-    module, _, name = path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
-
 def load_trained(ckpt: str | Path, data_overrides: dict[str, Any] | None = None) -> tuple[L.LightningModule, L.LightningDataModule]:
     """The model and data module a checkpoint was trained with (``data_overrides`` e.g. a new root)."""
     path = Path(ckpt)
@@ -42,8 +37,8 @@ def load_trained(ckpt: str | Path, data_overrides: dict[str, Any] | None = None)
     hp, dhp = meta.get("hyper_parameters", {}), meta.get("datamodule_hyper_parameters")
     if "_class_path" not in hp or not dhp or "_class_path" not in dhp:
         raise UserError(f"checkpoint '{ckpt}' does not record its model and data classes; use one written by train.py")
-    model = _class(hp["_class_path"]).load_from_checkpoint(path, map_location="cpu")
-    data = _class(dhp["_class_path"]).load_from_checkpoint(path, **(data_overrides or {}))
+    model = resolve_name(hp["_class_path"]).load_from_checkpoint(path, map_location="cpu")
+    data = resolve_name(dhp["_class_path"]).load_from_checkpoint(path, **(data_overrides or {}))
     return model, data
 
 

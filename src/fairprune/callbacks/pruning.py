@@ -21,7 +21,6 @@ the dense figures under ``reference``.
 
 from __future__ import annotations
 
-import copy
 import math
 import time
 from typing import Any
@@ -34,7 +33,7 @@ from fairprune.errors import UserError, suggest
 from fairprune.metrics.group import GroupRates
 from fairprune.pruning import importance as imp
 from fairprune.pruning.fairgrape import greedy_select, group_share_report, layer_quota
-from fairprune.pruning.masks import Target, achieved_sparsity, apply_mask, prunable_targets, sparsity_table
+from fairprune.pruning.masks import Target, achieved_sparsity, apply_mask, prunable_targets
 from fairprune.reports import split_results
 
 METHODS = ("fairgrape", "magnitude", "snip", "grasp", "random", "lottery")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from fairprune.data.files import read_user_csv
 from fairprune.errors import UserError
 
 COLUMNS = ("text", "axis", "bucket", "descriptor")
@@ -93,12 +94,7 @@ def holistic_prompts(axes: list[str] | None = None) -> pd.DataFrame:
 
 def read_prompts(path: str | Path) -> pd.DataFrame:
     """A HolisticBias-format CSV (at least the columns text, axis, bucket, descriptor)."""
-    try:
-        frame = pd.read_csv(path)
-    except FileNotFoundError:
-        raise UserError(f"prompt file not found: {path}") from None
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: not a readable CSV ({type(err).__name__}); expected columns {', '.join(COLUMNS)}") from None
+    frame = read_user_csv(path, "prompt", f"columns {', '.join(COLUMNS)}")
     return check_prompts(frame, str(path))
 
 

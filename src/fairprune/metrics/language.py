@@ -117,12 +117,9 @@ def read_crows_pairs(path: str | Path) -> list[tuple[str, str]]:
     """
     import pandas as pd
 
-    try:
-        frame = pd.read_csv(path)
-    except FileNotFoundError:
-        raise UserError(f"CrowS-Pairs file not found: {path}") from None
-    except (pd.errors.ParserError, pd.errors.EmptyDataError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: not a readable CSV ({type(err).__name__}); expected CrowS-Pairs columns sent_more,sent_less") from None
+    from fairprune.data.files import read_user_csv
+
+    frame = read_user_csv(path, "CrowS-Pairs", "CrowS-Pairs columns sent_more,sent_less")
     missing = {"sent_more", "sent_less"} - set(frame.columns)
     if missing:
         raise UserError(f"{path}: missing column(s) {', '.join(sorted(missing))}; expected CrowS-Pairs columns sent_more,sent_less")
