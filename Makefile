@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(PY) -m fairprune.demo
+	$(PY) -m fairprune.cli.demo
 
 test: $(STAMP)
 	$(PY) -m pytest -q

@@ -3,7 +3,7 @@
 
 import sys
 
-from fairprune.prune_cli import main
+from fairprune.cli.prune import main
 
 if __name__ == "__main__":
     sys.exit(main())

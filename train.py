@@ -3,7 +3,7 @@
 
 import sys
 
-from fairprune.cli import main
+from fairprune.cli.train import main
 
 if __name__ == "__main__":
     sys.exit(main())

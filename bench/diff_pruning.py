@@ -20,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from fairprune.models.text_classifier import build_sequence_classifier, tiny_bert_config
+from fairprune.hub import build_model
+from fairprune.models.text_classifier import tiny_bert_config
 from fairprune.pruning import diff
 
 SIZES = {
@@ -33,7 +34,7 @@ VOCAB = {"minilm": 30522, "tiny": 1000}
 
 def build(size: str, device: torch.device, gated: bool):
     torch.manual_seed(0)
-    model = build_sequence_classifier(SIZES[size], num_labels=8, vocab_size=VOCAB[size]).to(device)
+    model = build_model(SIZES[size], "sequence-classification", num_labels=8, vocab_size=VOCAB[size]).to(device)
     if gated:
         diff.attach_gates(model)
     optimizer = torch.optim.AdamW(diff.param_groups(model), lr=1e-4)

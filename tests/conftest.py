@@ -35,7 +35,7 @@ def one_thread():
 @pytest.fixture(scope="session")
 def dense_ckpt(tmp_path_factory) -> Path:
     """A small dense vision checkpoint trained by the real CLI on the bundled synthetic faces."""
-    from fairprune.cli import main
+    from fairprune.cli.train import main
 
     out = tmp_path_factory.mktemp("dense")
     os.environ["FAIRPRUNE_CACHE"] = str(tmp_path_factory.getbasetemp() / "cache")

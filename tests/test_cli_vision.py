@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from fairprune.cli import main
+from fairprune.cli.train import main
 from layouts import write_celeba, write_fairface, write_utkface
 
 ROOT = Path(__file__).resolve().parents[1]

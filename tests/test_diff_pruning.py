@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from fairprune.callbacks.diff_pruning import DiffPruning, compare_diff_pruning
-from fairprune.cli import main
+from fairprune.callbacks.diff_pruning import DiffPruning
+from fairprune.workflows.diff import compare_diff_pruning
+from fairprune.cli.train import main
 from fairprune.data.text_classification import TextClassificationDataModule, bios_records
 from fairprune.errors import UserError
 from fairprune.models.text_classifier import SequenceClassifier, tiny_bert_config
@@ -379,7 +380,7 @@ def test_compare_table_has_every_method(bios, tmp_path):
 
 
 def test_diff_compare_command_writes_one_table(repo_root, tmp_path):
-    from fairprune.prune_cli import main as prune_main
+    from fairprune.cli.prune import main as prune_main
 
     overrides = ["--data.init_args.bios_size", "300", "--data.init_args.vocab_size_local", "400",
                  "--data.init_args.batch_size", "16", "--model.init_args.config", json.dumps(TINY)]

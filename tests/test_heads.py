@@ -11,7 +11,7 @@ import torch
 import transformers as tf
 
 from fairprune.errors import UserError
-from fairprune.models.families import family_of, linear_weight
+from fairprune.families import family_of, linear_weight
 from fairprune.pruning.heads import HeadGates, head_weight_norms, remove_heads
 
 VOCAB = 96

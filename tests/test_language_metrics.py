@@ -17,8 +17,9 @@ from fairprune.data.text import (
     write_stereo_set,
 )
 from fairprune.errors import UserError
+from fairprune.data.pairs import read_crows_pairs, read_pairs, read_stereoset
 from fairprune.metrics.language import (
-    perplexity, read_crows_pairs, read_pairs, read_stereoset, sentence_log_likelihoods, stereotype_score,
+    perplexity, sentence_log_likelihoods, stereotype_score,
 )
 
 

@@ -15,7 +15,7 @@ import torch
 import transformers as tf
 
 from fairprune.errors import UserError
-from fairprune.models.families import FAMILIES, family_of, linear_weight
+from fairprune.families import FAMILIES, family_of, linear_weight
 from fairprune.pruning.calibration import make_inputs, run_layerwise
 from fairprune.pruning.llm import prune_causal_lm, sparsity_by_layer
 from fairprune.pruning.sparsegpt import Hessian, PairedHessian, inverse_hessian_cholesky, sparsegpt_solve

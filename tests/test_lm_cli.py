@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from fairprune.cli import main as train_main
-from fairprune.prune_cli import main as prune_main
+from fairprune.cli.train import main as train_main
+from fairprune.cli.prune import main as prune_main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--data.corpus_docs", "150", "--data.seqlen", "32", "--data.batch_size", "8", "--data.bpe_vocab_size", "400",

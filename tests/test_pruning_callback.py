@@ -13,10 +13,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from fairprune.callbacks.pruning import METHODS, PER_LAYER, IterativePruning, density_schedule
 from fairprune.errors import UserError
-from fairprune.prune_cli import main as prune_main
+from fairprune.cli.prune import main as prune_main
 from fairprune.pruning.fairgrape import layer_quota
 from fairprune.pruning.masks import Target, apply_mask, prunable_targets
-from fairprune.vision_runs import load_trained, prune_vision
+from fairprune.workflows.vision import load_trained, prune_vision
 
 FAST = {"limit_train_batches": 2, "limit_val_batches": 2, "limit_test_batches": 2, "accelerator": "cpu",
         "enable_progress_bar": False}

@@ -12,26 +12,21 @@ When ``fit`` ends the callback writes the diff-only checkpoint (``<run>/diff``: 
 head, a JSON naming and hashing the base). A model built from a config has no base anyone else
 holds, so its starting weights are written to ``<run>/base`` (``save_pretrained``) first.
 
-:func:`compare_diff_pruning` runs full fine-tuning, fine-tuning then a magnitude-pruned fixed
-mask of the difference, and Diff-Pruning on the same data and returns one table.
 """
 
 from __future__ import annotations
 
-import copy
 import time
-from pathlib import Path
 from typing import Any
 
 import lightning as L
-import torch
 from torch import nn
 
 from fairprune.errors import UserError
 from fairprune.pruning import diff
 
 
-def _root(pl_module: L.LightningModule) -> nn.Module:
+def root_model(pl_module: L.LightningModule) -> nn.Module:
     """The transformers model inside the LightningModule (gate names are relative to it)."""
     return getattr(pl_module, "model", pl_module)
 
@@ -75,7 +70,7 @@ class DiffPruning(L.Callback):
 
     # -- stage 1: gates --------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        root = _root(pl_module)
+        root = root_model(pl_module)
         if diff.gates(root):  # resumed from a checkpoint, or a second fit on the same module
             return
         self.base = getattr(pl_module, "base_name_or_path", None) or self._save_base(trainer, root)
@@ -105,7 +100,7 @@ class DiffPruning(L.Callback):
 
     def _separate_alphas(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         for optimizer in trainer.optimizers:
-            if diff.separate_alpha_group(optimizer, _root(pl_module)):
+            if diff.separate_alpha_group(optimizer, root_model(pl_module)):
                 print(f"[diff] log α moved into their own optimizer group (lr {self.cfg.alpha_lr})", flush=True)
 
     # -- stage 2: magnitude pruning, then fixed-mask fine-tuning -----------------------------------
@@ -114,21 +109,21 @@ class DiffPruning(L.Callback):
             self.prune(trainer, pl_module)
 
     def pruned(self, pl_module: L.LightningModule) -> bool:
-        return all(g.fixed for g in diff.gates(_root(pl_module)).values())
+        return all(g.fixed for g in diff.gates(root_model(pl_module)).values())
 
     def prune(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Magnitude-prune the difference to the target and rebuild the optimizer for the new stage."""
         start = time.perf_counter()
-        self.kept = diff.magnitude_prune(_root(pl_module), self.target_fraction, self.score)
+        self.kept = diff.magnitude_prune(root_model(pl_module), self.target_fraction, self.score)
         # The log α are frozen now: a fresh optimizer (and scheduler) over what still trains.
         trainer.strategy.setup_optimizers(trainer)
         self.seconds["pruning"] = time.perf_counter() - start
-        print(f"[diff] epoch {trainer.current_epoch}: kept {self.kept:,} of {diff.gated_total(_root(pl_module)):,} "
+        print(f"[diff] epoch {trainer.current_epoch}: kept {self.kept:,} of {diff.gated_total(root_model(pl_module)):,} "
               f"entries ({self.target_fraction:.2%}); fixed-mask fine-tuning", flush=True)
 
     # -- logging, checkpoint, report -------------------------------------------------------------
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        root = _root(pl_module)
+        root = root_model(pl_module)
         pl_module.log("diff/nonzero_fraction", diff.nonzero_fraction(root))
         pl_module.log("diff/expected_l0", diff.expected_l0_fraction(root))
         pl_module.log("diff/stage", 2.0 if self.pruned(pl_module) else 1.0)
@@ -136,7 +131,7 @@ class DiffPruning(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from fairprune.callbacks.report import run_dir
 
-        root = _root(pl_module)
+        root = root_model(pl_module)
         if not self.pruned(pl_module):
             print("[diff] fit ended before the pruning epoch; the diff keeps every gated entry still open", flush=True)
         if self.save and trainer.is_global_zero and self.base is not None:
@@ -169,89 +164,3 @@ class DiffPruning(L.Callback):
         if state.get("target_fraction") != self.target_fraction:
             raise UserError("the checkpoint was pruned to another target_fraction; resume with the same callback settings")
         self.base, self.base_hash, self.kept = state["base"], state["base_hash"], state["kept"]
-
-
-# ----------------------------------------------------------------------------------------------
-# Baselines in one table
-
-
-def _trainer(max_epochs: int, callbacks: list[L.Callback], **kwargs: Any) -> L.Trainer:
-    settings = {"accelerator": "auto", "devices": 1, "logger": False, "enable_checkpointing": False,
-                "enable_progress_bar": False, "enable_model_summary": False, "num_sanity_val_steps": 0, **kwargs}
-    return L.Trainer(max_epochs=max_epochs, callbacks=callbacks, **settings)
-
-
-def _row(method: str, module: L.LightningModule, trainer: L.Trainer, datamodule: L.LightningDataModule,
-         changed: float, stored: int, full: int) -> dict[str, Any]:
-    trainer.validate(module, datamodule=datamodule, verbose=False)
-    results = module.last_results["val"]
-    row = {"method": method, "accuracy": results["acc"]}
-    row.update({f"acc/{g}": results[f"acc/{g}"] for g in module.group_names if f"acc/{g}" in results})
-    row.update({"acc_gap": results["acc_gap"], "fraction_changed": changed, "stored_bytes": stored, "full_bytes": full})
-    return row
-
-
-@torch.no_grad()
-def _changed_fraction(before: dict[str, torch.Tensor], model: nn.Module, names: list[str]) -> float:
-    params = dict(model.named_parameters())
-    changed = sum(int((params[n].detach() != before[n]).sum()) for n in names)
-    return changed / max(sum(before[n].numel() for n in names), 1)
-
-
-def compare_diff_pruning(module: L.LightningModule, datamodule: L.LightningDataModule, target_fraction: float = 0.005,
-                         epochs: int = 3, finetune_epochs: int = 1, output: str | Path | None = None,
-                         trainer_kwargs: dict[str, Any] | None = None, **diff_kwargs: Any):
-    """Full fine-tuning, fine-tuning + magnitude-pruned difference, and Diff-Pruning, from the same
-    starting model on the same data; returns a pandas table (one row per method).
-
-    ``module`` is an untrained :class:`~fairprune.models.text_classifier.SequenceClassifier` (it is
-    copied for each method). Full fine-tuning and Diff-Pruning's gated stage train ``epochs``; both
-    fixed-mask stages fine-tune ``finetune_epochs``. Columns: accuracy, per-group accuracy, the
-    accuracy gap, the fraction of the gated weights changed, and the stored size against a full
-    checkpoint. Diffs are written under ``output`` (a temporary folder when unset).
-    """
-    import tempfile
-
-    import pandas as pd
-
-    diff.check_fraction(target_fraction)
-    out = Path(output) if output is not None else Path(tempfile.mkdtemp(prefix="diffprune_"))
-    kwargs = dict(trainer_kwargs or {})
-    base_root = _root(module)
-    names = diff.default_gate_names(base_root) if diff_kwargs.get("parameters") is None else diff.resolve_gate_names(base_root, diff_kwargs["parameters"])
-    before = {n: p.detach().clone() for n, p in base_root.named_parameters() if n in names}
-    full = diff.full_bytes(base_root)
-    base_dir = out / "base"
-    base_root.save_pretrained(base_dir)
-    rows = []
-
-    # 1. Full fine-tuning: every parameter changes and a full checkpoint is stored.
-    dense = copy.deepcopy(module)
-    trainer = _trainer(epochs, [], **kwargs)
-    trainer.fit(dense, datamodule=datamodule)
-    rows.append(_row("full-finetune", dense, trainer, datamodule, _changed_fraction(before, _root(dense), names), full, full))
-
-    # 2. The fine-tuned difference, magnitude-pruned to the target, then fixed-mask fine-tuning.
-    masked = copy.deepcopy(module)
-    tuned = dict(_root(dense).named_parameters())
-    diff.attach_gates(_root(masked), names, train_ungated=diff_kwargs.get("train_ungated", False))
-    diff.fix_difference(_root(masked), {n: tuned[n].detach() - before[n] for n in names}, target_fraction)
-    for n, p in _root(masked).named_parameters():  # the head starts from the fine-tuned one
-        if "parametrizations." not in n and p.requires_grad:
-            p.data.copy_(tuned[n].detach())
-    trainer = _trainer(finetune_epochs, [], **kwargs)
-    if finetune_epochs:
-        trainer.fit(masked, datamodule=datamodule)
-    saved = diff.save_diff(_root(masked), out / "finetune-magnitude", str(base_dir))
-    rows.append(_row("finetune+magnitude", masked, trainer, datamodule, diff.nonzero_fraction(_root(masked)), saved["stored_bytes"], full))
-
-    # 3. Diff-Pruning.
-    gated = copy.deepcopy(module)
-    gated.base_name_or_path = str(base_dir)
-    callback = DiffPruning(gated_epochs=epochs, finetune_epochs=finetune_epochs, target_fraction=target_fraction,
-                           save=False, **diff_kwargs)
-    trainer = _trainer(epochs + finetune_epochs, [callback], **kwargs)
-    trainer.fit(gated, datamodule=datamodule)
-    saved = diff.save_diff(_root(gated), out / "diff-pruning", str(base_dir))
-    rows.append(_row("diff-pruning", gated, trainer, datamodule, diff.nonzero_fraction(_root(gated)), saved["stored_bytes"], full))
-    return pd.DataFrame(rows).set_index("method")

@@ -15,9 +15,12 @@ from typing import Any
 import lightning as L
 
 from fairprune.callbacks.report import run_dir
-from fairprune.lm_runs import parse_sparsity, prune_loaded, split_pairs
-from fairprune.pruning.llm import METHODS
+from fairprune.data.pairs import LMTexts, read_pairs, split_pairs
+from fairprune.data.text import stereo_pairs
 from fairprune.errors import UserError, suggest
+from fairprune.hub import resolve_device
+from fairprune.pruning.llm import METHODS, parse_sparsity, prune_and_measure
+from fairprune.reporting.report import write_json, write_lm_run
 
 
 HEAD_METHOD = "fasp"
@@ -57,9 +60,6 @@ class PostTrainingPruning(L.Callback):
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero or trainer.sanity_checking:
             return
-        from fairprune.data.text import stereo_pairs
-        from fairprune.metrics.language import read_pairs
-
         train_text, val_text = trainer.datamodule.texts()
         if self.method == HEAD_METHOD:
             self._prune_heads(trainer, pl_module, val_text)
@@ -67,17 +67,17 @@ class PostTrainingPruning(L.Callback):
         calib_pairs, eval_pairs = split_pairs(read_pairs(self.pairs) if self.pairs else stereo_pairs(), self.seed)
         model = copy.deepcopy(pl_module.model).cpu()  # the trained model stays as it is in <run>/model
         out = run_dir(trainer) / f"pruned-{self.method}"
-        self.report = prune_loaded(
-            model, pl_module.tokenizer, self.method, self.sparsity, out, calib_text=train_text, eval_text=val_text,
-            calib_pairs=calib_pairs, eval_pairs=eval_pairs, model_name=str(run_dir(trainer) / "model"), seed=self.seed,
-            config={"method": self.method, "sparsity": str(self.sparsity), "pairs": self.pairs, **self.settings},
-            **self.settings,
-        )
+        texts = LMTexts(train_text, val_text, calib_pairs, eval_pairs)
+        settings = {**self.settings, "device": resolve_device(self.settings["device"])}
+        report, layers = prune_and_measure(model, pl_module.tokenizer, self.method, self.sparsity, texts, seed=self.seed, **settings)
+        self.report = {"method": self.method, "model": str(run_dir(trainer) / "model"), **report}
+        write_lm_run(out, model, pl_module.tokenizer, self.report, layers,
+                     {"method": self.method, "sparsity": str(self.sparsity), "pairs": self.pairs, **self.settings})
+        print(f"[{self.method}] perplexity {report['reference']['metrics']['perplexity']:.2f} → "
+              f"{report['metrics']['perplexity']:.2f}; written to {out}", flush=True)
 
     def _prune_heads(self, trainer: L.Trainer, pl_module: L.LightningModule, val_text: str) -> None:
         from fairprune.pruning.fasp import Generation, run_fasp
-        from fairprune.reports import write_json
-
         out = run_dir(trainer) / "pruned-fasp"
         model = copy.deepcopy(pl_module.model).cpu()
         f = self.fasp

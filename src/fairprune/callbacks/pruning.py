@@ -34,7 +34,7 @@ from fairprune.metrics.group import GroupRates
 from fairprune.pruning import importance as imp
 from fairprune.pruning.fairgrape import greedy_select, group_share_report, layer_quota
 from fairprune.pruning.masks import Target, achieved_sparsity, apply_mask, prunable_targets
-from fairprune.reports import split_results
+from fairprune.reporting.report import split_results
 
 METHODS = ("fairgrape", "magnitude", "snip", "grasp", "random", "lottery")
 PER_LAYER = ("fairgrape", "magnitude", "random", "lottery")

@@ -10,7 +10,7 @@ import lightning as L
 import pandas as pd
 
 from fairprune.pruning.masks import achieved_sparsity, prunable_targets, sparsity_table
-from fairprune.reports import group_table, markdown, split_results, write_json
+from fairprune.reporting.report import group_table, markdown, split_results, write_json
 
 
 def run_dir(trainer: L.Trainer) -> Path:

@@ -26,7 +26,6 @@ Example (the synthetic set is generated on first use)::
 from __future__ import annotations
 
 import hashlib
-import os
 import re
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -42,6 +41,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from torchvision.transforms import v2
 
 from fairprune.data.synthetic import MARKER, generate_synthetic_utkface
+from fairprune.hub import cache_dir
 from fairprune.errors import UserError, suggest
 
 DATASETS = ("synthetic", "utkface", "fairface", "celeba")
@@ -477,11 +477,6 @@ def stratified_subset(groups: np.ndarray, fraction: float, seed: int) -> np.ndar
 # The DataModule.
 
 
-def default_synthetic_root(size: int, seed: int) -> Path:
-    """``$FAIRPRUNE_CACHE`` (default ``.cache/fairprune``) ``/synthetic_utkface_<size>_<seed>``."""
-    base = os.environ.get("FAIRPRUNE_CACHE") or os.path.join(".cache", "fairprune")
-    return Path(base) / f"synthetic_utkface_{size}_{seed}"
-
 
 class FaceDataModule(L.LightningDataModule):
     """UTKFace, FairFace, CelebA or the bundled synthetic set, with targets and groups.
@@ -515,7 +510,7 @@ class FaceDataModule(L.LightningDataModule):
         if num_workers < 0:
             raise UserError(f"--data.num_workers must be 0 or more, got {num_workers}")
         if dataset == "synthetic":
-            self.root = Path(root) if root is not None else default_synthetic_root(synthetic_size, seed)
+            self.root = Path(root) if root is not None else cache_dir() / f"synthetic_utkface_{synthetic_size}_{seed}"
         else:
             self.root = check_root(dataset, root)  # fail before training, not at setup()
         self.num_classes = len(self.class_names)

@@ -15,24 +15,10 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from fairprune.data.text import default_cache_dir, join_documents, train_bpe_tokenizer, write_lm_corpus
+from fairprune.data.text import join_documents, train_bpe_tokenizer, write_lm_corpus
 from fairprune.errors import UserError
+from fairprune.hub import cache_dir, load_tokenizer
 
-
-def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
-    """A transformers tokenizer by hub name or local folder (``HF_HUB_OFFLINE`` is honoured)."""
-    from transformers import AutoTokenizer
-
-    from fairprune.models.language import check_local_path
-
-    check_local_path(name_or_path)
-    try:
-        tok = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise UserError(f"cannot load tokenizer '{name_or_path}': give an existing folder or a hub name ({' '.join(str(err).split())[:160]})") from err
-    if tok.pad_token is None:
-        tok.pad_token = tok.eos_token
-    return tok
 
 
 def read_text(path: str | Path) -> str:
@@ -85,11 +71,11 @@ class LMDataModule(L.LightningDataModule):
 
     # -- text and tokenizer -------------------------------------------------------------------------
     def _corpus_dir(self) -> Path:
-        return default_cache_dir() / f"lm_corpus_{self.hparams.corpus_docs}_{self.hparams.seed}"
+        return cache_dir() / f"lm_corpus_{self.hparams.corpus_docs}_{self.hparams.seed}"
 
     def _local_tokenizer_dir(self) -> Path:
         source = f"{self.hparams.train_text}|{self.hparams.corpus_docs}|{self.hparams.seed}|{self.hparams.bpe_vocab_size}"
-        return default_cache_dir() / f"tokenizer_bpe_{hashlib.sha1(source.encode()).hexdigest()[:10]}"
+        return cache_dir() / f"tokenizer_bpe_{hashlib.sha1(source.encode()).hexdigest()[:10]}"
 
     def texts(self) -> tuple[str, str]:
         """(train text, validation text)."""

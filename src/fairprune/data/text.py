@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import json
-import os
 import random
 from pathlib import Path
 from typing import Iterable, NamedTuple
@@ -26,13 +25,10 @@ from typing import Iterable, NamedTuple
 import torch
 
 from fairprune.errors import UserError
+from fairprune.hub import cache_dir
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 
-
-def default_cache_dir() -> Path:
-    """``$FAIRPRUNE_CACHE`` or ``.cache/fairprune`` (removed by ``make clean``)."""
-    return Path(os.environ.get("FAIRPRUNE_CACHE", ".cache/fairprune"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -203,7 +199,7 @@ def _opinions(rng: random.Random) -> str:
 
 def write_lm_corpus(folder: str | Path | None = None, **kwargs) -> dict[str, Path]:
     """Write ``train.txt`` and ``validation.txt`` under ``folder`` (default cache) and return the paths."""
-    folder = Path(folder or default_cache_dir() / "lm_corpus")
+    folder = Path(folder or cache_dir() / "lm_corpus")
     folder.mkdir(parents=True, exist_ok=True)
     corpus = lm_corpus(**kwargs)
     paths = {split: folder / f"{split}.txt" for split in Corpus._fields}
@@ -279,7 +275,7 @@ def stereo_pairs() -> list[tuple[str, str]]:
 
 def write_stereo_set(folder: str | Path | None = None) -> Path:
     """Write the bundled set as StereoSet intrasentence JSON (once) and return its path."""
-    path = Path(folder or default_cache_dir()) / "stereo_pairs.json"
+    path = Path(folder or cache_dir()) / "stereo_pairs.json"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         data = {"version": "fairprune-1", "data": {"intrasentence": _stereo_records(), "intersentence": []}}

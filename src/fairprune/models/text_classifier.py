@@ -19,12 +19,12 @@ import torch
 from lightning.pytorch.cli import LRSchedulerCallable, OptimizerCallable
 from torch import nn
 
-from fairprune.data.text_classification import minilm_path, resolve_pretrained
 from fairprune.errors import UserError
+from fairprune.hub import build_model, load_model, load_tokenizer, resolve_name
 from fairprune.models.grouped import GroupEvaluation
 from fairprune.pruning.diff import attach_gates_for, l0_penalty, param_groups
 
-__all__ = ["SequenceClassifier", "build_sequence_classifier", "load_sequence_classifier", "minilm_path", "tiny_bert_config"]
+__all__ = ["SequenceClassifier", "tiny_bert_config"]
 
 
 def tiny_bert_config(**overrides: Any) -> dict[str, Any]:
@@ -32,37 +32,6 @@ def tiny_bert_config(**overrides: Any) -> dict[str, Any]:
     return {"model_type": "bert", "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
             "intermediate_size": 64, "max_position_embeddings": 256, **overrides}
 
-
-def load_sequence_classifier(name_or_path: str, num_labels: int, trust_remote_code: bool = False) -> nn.Module:
-    """A pretrained model with a ``num_labels`` head (a new head when the sizes differ)."""
-    from transformers import AutoModelForSequenceClassification
-
-    source = resolve_pretrained(name_or_path)
-    try:
-        return AutoModelForSequenceClassification.from_pretrained(
-            source, num_labels=num_labels, ignore_mismatched_sizes=True, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError) as err:
-        raise UserError(f"cannot load model '{name_or_path}': give a folder written by save_pretrained, a hub name or 'minilm' "
-                        f"({' '.join(str(err).split())[:160]})") from err
-
-
-def build_sequence_classifier(config: dict[str, Any], num_labels: int, vocab_size: int | None, tokenizer=None) -> nn.Module:
-    """A randomly initialised sequence classifier from a transformers config (``model_type`` + sizes)."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    settings = dict(config)
-    model_type = settings.pop("model_type", None)
-    if model_type is None:
-        raise UserError("the model config needs a model_type (bert, roberta, distilbert, ...)")
-    if vocab_size is None:
-        raise UserError("a new model needs vocab_size (linked from the data module's tokenizer)")
-    if tokenizer is not None and tokenizer.pad_token_id is not None:
-        settings.setdefault("pad_token_id", tokenizer.pad_token_id)
-    try:
-        cfg = AutoConfig.for_model(model_type, vocab_size=vocab_size, num_labels=num_labels, **settings)
-    except ValueError as err:
-        raise UserError(f"unknown model_type '{model_type}': {' '.join(str(err).split())[:160]}") from err
-    return AutoModelForSequenceClassification.from_config(cfg)
 
 
 def _unpack(batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -107,16 +76,14 @@ class SequenceClassifier(GroupEvaluation, L.LightningModule):
         self.group_names = list(group_names or ["all"])
         tokenizer = None
         if tokenizer_path is not None and config is not None:
-            from fairprune.data.lm import load_tokenizer
-
             tokenizer = load_tokenizer(tokenizer_path)
         if model is not None:
-            self.base_name_or_path: str | None = resolve_pretrained(model)
-            self.model = load_sequence_classifier(model, len(self.class_names), trust_remote_code)
+            self.base_name_or_path: str | None = resolve_name(model)
+            self.model = load_model(model, "sequence-classification", trust_remote_code, num_labels=len(self.class_names))
             self.model.train()  # from_pretrained returns eval mode, and Lightning keeps submodule modes
         else:
             self.base_name_or_path = None  # a new model: its starting weights exist only in this run
-            self.model = build_sequence_classifier(config, len(self.class_names), vocab_size, tokenizer)
+            self.model = build_model(config, "sequence-classification", tokenizer, vocab_size=vocab_size, num_labels=len(self.class_names))
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.loss = nn.CrossEntropyLoss()
         self.init_group_metrics(self.class_names, self.group_names)

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from fairprune.models.families import Family
+from fairprune.families import Family
 
 
 @dataclass

@@ -40,7 +40,7 @@ from torch import nn
 from transformers.pytorch_utils import Conv1D
 
 from fairprune.errors import UserError
-from fairprune.models.families import Family, family_of, linear_weight
+from fairprune.families import Family, family_of, linear_weight
 
 Head = tuple[int, int]  # (layer, head)
 
@@ -57,7 +57,7 @@ class HeadLayout:
     shrinkable: bool = False  # config states head_dim apart from hidden_size: counts may shrink
 
 
-# Keyed by ``Family.name`` in fairprune.models.families.
+# Keyed by ``Family.name`` in fairprune.families.
 LAYOUTS: dict[str, HeadLayout] = {
     "gpt2": HeadLayout("attn", ("c_attn",), counts=("num_heads",), widths=("split_size",)),
     "gpt-neo": HeadLayout("attn.attention", ("q_proj", "k_proj", "v_proj"), counts=("num_heads",)),

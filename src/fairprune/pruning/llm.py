@@ -14,14 +14,69 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from fairprune.data.pairs import LMTexts
+from fairprune.data.text import calibration_ids, paired_ids
 from fairprune.errors import UserError, suggest
-from fairprune.models.families import Family, family_of, linear_weight, set_linear_weight
+from fairprune.metrics.language import measure_lm
+from fairprune.families import Family, family_of, linear_weight, set_linear_weight
 from fairprune.pruning.calibration import make_inputs, run_layerwise
 from fairprune.pruning.masks import Target, achieved_sparsity, sparsity_table
 from fairprune.pruning.sparsegpt import Hessian, PairedHessian, check_nm, check_sparsity, sparsegpt_solve
 from fairprune.pruning.wanda import InputNorms, nm_mask, row_mask, wanda_mask
 
 METHODS = ("magnitude", "wanda", "sparsegpt", "debias-sparsegpt")
+
+
+def parse_sparsity(value: float | str) -> tuple[float | None, tuple[int, int] | None]:
+    """``0.5`` → unstructured 50 %; ``"2:4"`` → N:M. Errors name the fix."""
+    if isinstance(value, str) and ":" in value:
+        try:
+            n, m = (int(part) for part in value.split(":"))
+        except ValueError:
+            raise UserError(f"N:M sparsity must look like 2:4, got '{value}'") from None
+        if not 0 < n < m:
+            raise UserError(f"N:M sparsity needs 0 < N < M, got {value}")
+        return None, (n, m)
+    try:
+        sparsity = float(value)
+    except ValueError:
+        raise UserError(f"sparsity must be a number in [0, 1) or N:M like 2:4, got '{value}'") from None
+    if not 0.0 <= sparsity < 1.0:
+        hint = " (quote N:M patterns in YAML lists, \"2:4\": unquoted, 2:4 reads as the number 124)" if sparsity >= 60 else ""
+        raise UserError(f"sparsity must be in [0, 1) or N:M, got {value}{hint}")
+    return sparsity, None
+
+
+def prune_and_measure(model: nn.Module, tokenizer, method: str, sparsity: float | str, texts: LMTexts, *,
+                      nsamples: int = 128, seqlen: int = 128, eval_seqlen: int | None = None,
+                      device: torch.device | str = "cpu", percdamp: float = 0.01, blocksize: int = 128,
+                      seed: int = 0) -> tuple[dict, dict[str, float]]:
+    """Measure, prune in place, measure again: the report of one post-training run (no files) and
+    the per-layer sparsity. The model ends on the CPU."""
+    if method not in METHODS:
+        raise UserError(f"unknown LLM pruning method '{method}'{suggest(method, METHODS)}; choose one of {', '.join(METHODS)}")
+    target, nm = parse_sparsity(sparsity)
+    family_of(model)  # unknown families fail here, before any work
+    eval_seqlen = eval_seqlen or seqlen
+    start = time.perf_counter()
+    print(f"[{method}] measuring the dense model ...", flush=True)
+    before = measure_lm(model, tokenizer, texts.eval_text, texts.eval_pairs, eval_seqlen, device)
+    calib = calibration_ids(tokenizer, texts.calib_text, nsamples, seqlen, seed) if method != "magnitude" else None
+    pairs = paired_ids(tokenizer, texts.calib_pairs, seqlen) if method == "debias-sparsegpt" else None
+    model.to("cpu")
+    result = prune_causal_lm(model, method, target, nm, calib, pairs, device, percdamp, blocksize)
+    print(f"[{method}] measuring the pruned model ...", flush=True)
+    after = measure_lm(model, tokenizer, texts.eval_text, texts.eval_pairs, eval_seqlen, device)
+    model.to("cpu")
+    report = {
+        "method": method, "family": result["family"], "target_sparsity": result["target_sparsity"],
+        "nm": result["nm"], "achieved_sparsity": result["achieved_sparsity"], "metrics": after,
+        "reference": {"method": "dense", "metrics": before},
+        "calibration": {"nsamples": nsamples if calib is not None else 0, "seqlen": seqlen,
+                        "pairs": len(texts.calib_pairs) if pairs is not None else 0, "eval_pairs": len(texts.eval_pairs)},
+        "seconds": {**result["seconds"], "total": time.perf_counter() - start},
+    }
+    return report, result["layers"]
 
 
 def prune_causal_lm(

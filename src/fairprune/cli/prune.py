@@ -22,7 +22,7 @@ from typing import Any
 from jsonargparse import ActionConfigFile, ArgumentParser
 
 from fairprune.callbacks.pruning import IterativePruning
-from fairprune.cli import guarded
+from fairprune.cli.train import guarded
 from fairprune.errors import UserError
 
 
@@ -147,7 +147,7 @@ def run(args: list[str] | None = None) -> Any:
     cfg = build_parser().parse_args(args)
     sub = cfg[cfg.command]
     if cfg.command == "vision":
-        from fairprune.vision_runs import prune_vision
+        from fairprune.workflows.vision import prune_vision
 
         report = prune_vision(sub.ckpt, dict(sub.pruning), sub.output, sub.name, dict(sub.trainer), dict(sub.data),
                               sub.resume, sub.seed)
@@ -155,42 +155,42 @@ def run(args: list[str] | None = None) -> Any:
               f"sparsity {report['achieved_sparsity']:.4f}")
         return report
     if cfg.command in LLM_METHODS:
-        from fairprune.lm_runs import run_llm_pruning
+        from fairprune.workflows.lm import run_llm_pruning
 
         return run_llm_pruning(sub.model, cfg.command, sub.nm or sub.sparsity, sub.output, calib_text=sub.calib_text,
                                eval_text=sub.eval_text, pairs=sub.pairs, trust_remote_code=sub.trust_remote_code,
                                seed=sub.seed, **_lm_settings(sub))
     if cfg.command == "fasp":
-        from fairprune.lm_runs import run_fasp_cli
+        from fairprune.workflows.heads import run_fasp_cli
 
         return run_fasp_cli(sub)
     if cfg.command == "diff-compare":
         return diff_compare(sub)
     if cfg.command == "evaluate":
-        from fairprune.lm_runs import evaluate_lm
+        from fairprune.workflows.lm import evaluate_lm
 
         return evaluate_lm(sub.model, sub.output, eval_text=sub.eval_text, pairs=sub.pairs, seqlen=sub.seqlen,
                            device=sub.device, trust_remote_code=sub.trust_remote_code, seed=sub.seed)
     if cfg.command == "compare":
-        from fairprune.reports import markdown
+        from fairprune.reporting.report import markdown
 
         if (sub.ckpt is None) == (sub.model is None):
             raise UserError("compare needs exactly one of --ckpt (a vision checkpoint) or --model (a causal LM)")
         if sub.model is not None and sub.alphas:
-            from fairprune.lm_runs import compare_fasp
+            from fairprune.workflows.heads import compare_fasp
 
             table = compare_fasp(sub.model, sub.methods, sub.alphas, sub.output, gamma=sub.gamma, axis=sub.axis,
                                  scorer=sub.scorer, prompts=sub.prompts, ppl_text=sub.eval_text,
                                  max_new_tokens=sub.max_new_tokens, seqlen=sub.seqlen,
                                  trust_remote_code=sub.trust_remote_code, seed=sub.seed)
         elif sub.model is not None:
-            from fairprune.lm_runs import compare_lm
+            from fairprune.workflows.lm import compare_lm
 
             table = compare_lm(sub.model, sub.methods, sub.sparsities, sub.output, calib_text=sub.calib_text,
                                eval_text=sub.eval_text, pairs=sub.pairs, trust_remote_code=sub.trust_remote_code,
                                seed=sub.seed, **_lm_settings(sub))
         else:
-            from fairprune.vision_runs import compare_vision
+            from fairprune.workflows.vision import compare_vision
 
             table = compare_vision(sub.ckpt, sub.methods, [float(s) for s in sub.sparsities], dict(sub.pruning),
                                    sub.output, dict(sub.trainer), dict(sub.data), sub.seed)
@@ -205,9 +205,9 @@ def diff_compare(sub) -> Any:
     ways of fine-tuning them; writes comparison.csv / .md and report.json to ``--output``."""
     from pathlib import Path
 
-    from fairprune.callbacks.diff_pruning import compare_diff_pruning
-    from fairprune.cli import FairpruneCLI
-    from fairprune.reports import markdown, write_json
+    from fairprune.workflows.diff import compare_diff_pruning
+    from fairprune.cli.train import FairpruneCLI
+    from fairprune.reporting.report import markdown, write_json
 
     import warnings
 

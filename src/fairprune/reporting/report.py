@@ -64,6 +64,22 @@ def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
     return path
 
 
+def write_lm_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any], layers: dict[str, float],
+                 config: dict[str, Any]) -> Path:
+    """A pruned LM's folder: the transformers model and tokenizer (``save_pretrained``),
+    ``sparsity.csv``, ``config.yaml`` and, last, ``report.json``."""
+    import yaml
+
+    out = Path(output)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    pd.DataFrame([{"layer": k, "sparsity": v} for k, v in layers.items()]).to_csv(out / "sparsity.csv", index=False)
+    (out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    write_json(out / "report.json", report)
+    return out
+
+
 def group_table(report: dict[str, Any]) -> pd.DataFrame:
     """Per-group table of a report (rows = groups)."""
     frame = pd.DataFrame.from_dict(report.get("groups", {}), orient="index")

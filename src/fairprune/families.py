@@ -123,7 +123,7 @@ def family_of(model: nn.Module) -> Family:
     supported = ", ".join(t for f in FAMILIES for t in f.model_types)
     raise UserError(
         f"model type {model_type!r} is not supported for pruning; supported: {supported} "
-        "(add a row to fairprune.models.families.FAMILIES for a new family)"
+        "(add a row to fairprune.families.FAMILIES for a new family)"
     )
 
 
@@ -151,6 +151,6 @@ def _get(root: nn.Module, path: str, missing_ok: bool = False):
                 return None
             raise UserError(
                 f"{type(root).__name__} has no submodule {path!r}; the family table in "
-                "fairprune.models.families does not match this model"
+                "fairprune.families does not match this model"
             )
     return obj

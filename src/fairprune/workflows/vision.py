@@ -25,7 +25,7 @@ from fairprune.callbacks.pruning import IterativePruning
 from fairprune.callbacks.progress import ProgressBar
 from fairprune.callbacks.report import ReportWriter
 from fairprune.errors import UserError
-from fairprune.reports import markdown, plot_error_rate_changes, plot_group_shares, write_json
+from fairprune.reporting.report import markdown, plot_error_rate_changes, plot_group_shares, write_json
 
 
 def load_trained(ckpt: str | Path, data_overrides: dict[str, Any] | None = None) -> tuple[L.LightningModule, L.LightningDataModule]:

@@ -1,0 +1,1 @@
+"""Command lines: ``train.py`` (LightningCLI), ``prune.py`` (jsonargparse) and ``make demo``."""

