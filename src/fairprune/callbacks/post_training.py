@@ -19,7 +19,8 @@ from fairprune.data.pairs import LMTexts, read_pairs, split_pairs
 from fairprune.data.text import stereo_pairs
 from fairprune.errors import UserError, suggest
 from fairprune.hub import resolve_device
-from fairprune.pruning.llm import METHODS, parse_sparsity, prune_and_measure
+from fairprune.pruning import registry
+from fairprune.pruning.llm import parse_sparsity, prune_and_measure
 from fairprune.reporting.report import write_json, write_lm_run
 
 
@@ -43,7 +44,7 @@ class PostTrainingPruning(L.Callback):
                  pairs: str | None = None, percdamp: float = 0.01, blocksize: int = 128, device: str = "auto",
                  seed: int = 0, gamma: float | None = 0.3, alpha: float = 0.1, axis: str = "gender_and_sex",
                  scorer: str = "lexicon", max_new_tokens: int = 20) -> None:
-        choices = (*METHODS, HEAD_METHOD)
+        choices = (*registry.names("lm"), HEAD_METHOD)
         if method not in choices:
             raise UserError(f"unknown post-training method '{method}'{suggest(method, choices)}; choose one of {', '.join(choices)}")
         if method == HEAD_METHOD:

@@ -29,15 +29,14 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 
-from fairprune.errors import UserError, suggest
+from fairprune.errors import UserError
 from fairprune.metrics.group import GroupRates
 from fairprune.pruning import importance as imp
+from fairprune.pruning import registry
 from fairprune.pruning.fairgrape import greedy_select, group_share_report, layer_quota
 from fairprune.pruning.masks import Target, achieved_sparsity, apply_mask, prunable_targets
 from fairprune.reporting.report import split_results
 
-METHODS = ("fairgrape", "magnitude", "snip", "grasp", "random", "lottery")
-PER_LAYER = ("fairgrape", "magnitude", "random", "lottery")
 
 
 def density_schedule(target_sparsity: float, keep_per_iter: float) -> list[float]:
@@ -94,8 +93,7 @@ class IterativePruning(L.Callback):
         rewind_epoch: int = 0,
         seed: int = 0,
     ) -> None:
-        if method not in METHODS:
-            raise UserError(f"unknown pruning method '{method}'{suggest(method, METHODS)}; choose one of {', '.join(METHODS)}")
+        registry.get(method, "vision")
         if not 0.0 <= target_sparsity < 1.0:
             raise UserError(f"target_sparsity must be in [0, 1), got {target_sparsity}")
         if not 0.0 < keep_per_iter < 1.0:
@@ -218,7 +216,7 @@ class IterativePruning(L.Callback):
         return imp.group_scores(pl_module, targets, loader, F.cross_entropy, device, num_groups, names)
 
     def _select(self, targets: list[Target], scores: dict[str, torch.Tensor], density: float) -> list[torch.Tensor]:
-        if self.method not in PER_LAYER:
+        if registry.get(self.method, "vision").scope == "global":
             # Global ranking over every targeted weight (SNIP and GraSP as published).
             flat = torch.cat([scores[t.name].flatten().cpu() for t in targets])
             cands = torch.cat([t.mask.flatten().cpu() for t in targets])

@@ -40,9 +40,9 @@ from fairprune.data.text import join_documents
 from fairprune.errors import UserError, suggest
 from fairprune.metrics.language import perplexity
 from fairprune.metrics.toxicity import ToxicityScorer, bias_by_axis, make_scorer
+from fairprune.pruning import registry
 from fairprune.pruning.heads import Head, HeadGates, head_weight_norms, remove_heads
 
-METHODS = ("fasp", "fairness", "performance", "magnitude", "gradient", "random")
 BASELINE = (-1, -1)  # the (layer, head) key of the unpruned model's row in head_scores.csv
 
 
@@ -287,9 +287,8 @@ def gradient_importance(model: nn.Module, ids: torch.Tensor, seqlen: int, batch_
 def select_heads(method: str, alpha: float, *, scores: pd.DataFrame | None = None, model: nn.Module | None = None,
                  axes: Sequence[str] = (), gamma: float = 0.0, ppl_ids: torch.Tensor | None = None,
                  seqlen: int = 128, batch_size: int = 4, seed: int = 0) -> Selection:
-    """The heads ``method`` removes at ratio ``α`` (FASP or a baseline; see :data:`METHODS`)."""
-    if method not in METHODS:
-        raise UserError(f"unknown head-pruning method {method!r}{suggest(method, METHODS)}; choose from {', '.join(METHODS)}")
+    """The heads ``method`` removes at ratio ``α`` (FASP or a baseline, the registry's ``heads`` kind)."""
+    registry.get(method, "heads")
     if method in ("fasp", "fairness", "performance") and scores is None:
         raise UserError(f"method {method!r} needs head scores; run score_heads first")
     if method == "fasp":
@@ -417,8 +416,7 @@ def run_fasp(
         if a not in set(val_prompts.axis):
             raise UserError(f"no prompts for axis {a!r}{suggest(a, val_prompts.axis.unique())}; "
                             f"axes present: {', '.join(sorted(val_prompts.axis.unique()))}")
-    if method not in METHODS:
-        raise UserError(f"unknown head-pruning method {method!r}{suggest(method, METHODS)}; choose from {', '.join(METHODS)}")
+    registry.get(method, "heads")
     # Fail on impossible ratios before the expensive part.
     counts(HeadGates(model).values.numel(), gamma if method == "fasp" and gamma is not None else 0.0, alpha)
 

@@ -16,15 +16,15 @@ from tqdm.auto import tqdm
 
 from fairprune.data.pairs import LMTexts
 from fairprune.data.text import calibration_ids, paired_ids
-from fairprune.errors import UserError, suggest
+from fairprune.errors import UserError
 from fairprune.metrics.language import measure_lm
 from fairprune.families import Family, family_of, linear_weight, set_linear_weight
+from fairprune.pruning import registry
 from fairprune.pruning.calibration import make_inputs, run_layerwise
 from fairprune.pruning.masks import Target, achieved_sparsity, sparsity_table
 from fairprune.pruning.sparsegpt import Hessian, PairedHessian, check_nm, check_sparsity, sparsegpt_solve
 from fairprune.pruning.wanda import InputNorms, nm_mask, row_mask, wanda_mask
 
-METHODS = ("magnitude", "wanda", "sparsegpt", "debias-sparsegpt")
 
 
 def parse_sparsity(value: float | str) -> tuple[float | None, tuple[int, int] | None]:
@@ -53,8 +53,7 @@ def prune_and_measure(model: nn.Module, tokenizer, method: str, sparsity: float 
                       seed: int = 0) -> tuple[dict, dict[str, float]]:
     """Measure, prune in place, measure again: the report of one post-training run (no files) and
     the per-layer sparsity. The model ends on the CPU."""
-    if method not in METHODS:
-        raise UserError(f"unknown LLM pruning method '{method}'{suggest(method, METHODS)}; choose one of {', '.join(METHODS)}")
+    registry.get(method, "lm")
     target, nm = parse_sparsity(sparsity)
     family_of(model)  # unknown families fail here, before any work
     eval_seqlen = eval_seqlen or seqlen
@@ -169,8 +168,7 @@ def _prune_magnitude(model, family: Family, sparsity, nm, device, progress: bool
 
 def _validate(model, family, method, sparsity, nm, calib_ids, pairs, percdamp, blocksize) -> None:
     """Reject bad requests before any work is done, with one-line fixes."""
-    if method not in METHODS:
-        raise UserError(f"unknown pruning method {method!r}{suggest(method, METHODS)}; choose one of {', '.join(METHODS)}")
+    registry.get(method, "lm")
     if (sparsity is None) == (nm is None):
         raise UserError("give exactly one of sparsity (e.g. 0.5) or nm (e.g. (2, 4))")
     if nm is not None:

@@ -51,11 +51,11 @@ def compare_fasp(model: str, methods: list[str], alphas: list[float], output: st
     import shutil
 
     from fairprune.data.prompts import read_prompts
-    from fairprune.pruning.fasp import METHODS as HEAD_METHODS, Generation, run_fasp
+    from fairprune.pruning import registry
+    from fairprune.pruning.fasp import Generation, run_fasp
 
     for method in methods:
-        if method not in HEAD_METHODS:
-            raise UserError(f"unknown head-pruning method '{method}'; choose from {', '.join(HEAD_METHODS)}")
+        registry.get(method, "heads")
     for a in alphas:
         if not 0.0 <= a <= 1.0:
             raise UserError(f"alpha must be in [0, 1], got {a}")

@@ -15,11 +15,11 @@ from typing import Any
 import pandas as pd
 
 from fairprune.data.pairs import lm_texts
-from fairprune.errors import UserError
 from fairprune.hub import load_model, load_tokenizer, resolve_device
 from fairprune.metrics.language import measure_lm
 from fairprune.families import family_of
-from fairprune.pruning.llm import METHODS, parse_sparsity, prune_and_measure, sparsity_by_layer
+from fairprune.pruning import registry
+from fairprune.pruning.llm import parse_sparsity, prune_and_measure, sparsity_by_layer
 from fairprune.reporting.report import markdown, write_json, write_lm_run
 
 
@@ -69,8 +69,7 @@ def compare_lm(model: str, methods: list[str], sparsities: list[float | str], ou
                trust_remote_code: bool = False, seed: int = 0, **settings: Any) -> pd.DataFrame:
     """Every method at every sparsity from one model; ``comparison.csv`` / ``.md`` in ``output``."""
     for method in methods:
-        if method not in METHODS:
-            raise UserError(f"unknown LLM pruning method '{method}'; choose from {', '.join(METHODS)}")
+        registry.get(method, "lm")
     for s in sparsities:
         parse_sparsity(s)
     texts = lm_texts(calib_text, eval_text, pairs, seed)

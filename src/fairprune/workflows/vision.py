@@ -25,7 +25,8 @@ from fairprune.callbacks.pruning import IterativePruning
 from fairprune.callbacks.progress import ProgressBar
 from fairprune.callbacks.report import ReportWriter
 from fairprune.errors import UserError
-from fairprune.reporting.report import markdown, plot_error_rate_changes, plot_group_shares, write_json
+from fairprune.reporting.plots import plot_error_rate_changes, plot_group_shares
+from fairprune.reporting.report import markdown, write_json
 
 
 def load_trained(ckpt: str | Path, data_overrides: dict[str, Any] | None = None) -> tuple[L.LightningModule, L.LightningDataModule]:
