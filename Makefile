@@ -27,6 +27,7 @@ test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
 
 bench: $(STAMP)
+	$(PY) bench/startup.py
 	$(PY) bench/train_throughput.py
 	$(PY) bench/fairgrape_selection.py
 	$(PY) bench/sparsegpt.py

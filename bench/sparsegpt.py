@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 from fairprune.pruning.sparsegpt import inverse_hessian_cholesky, sparsegpt_solve
-from fairprune.pruning.wanda import nm_mask, row_mask, wanda_mask
+from fairprune.pruning.select import n_m, top_k
+from fairprune.pruning.wanda import wanda_mask
 
 LAYERS = {"attn 768x768": (768, 768), "mlp-up 3072x768": (3072, 768), "mlp-down 768x3072": (768, 3072)}
 SETTINGS = {"50%": dict(sparsity=0.5), "2:4": dict(nm=(2, 4))}
@@ -109,7 +110,8 @@ def bench_layer(name: str, shape, seed: int, args) -> dict:
     result = {"shape": [rows, cols], "factorisation_s": {"fp64": factor64, "fp32": factor32}, "error": {}, "speed": {}}
     for setting, kw in SETTINGS.items():
         nm = kw.get("nm")
-        magnitude = nm_mask(W.abs(), *nm) if nm else row_mask(W.abs().reshape(1, -1), kw["sparsity"]).view_as(W)
+        keep = n_m(W.abs(), *nm) if nm else top_k(W.abs(), W.numel() - int(W.numel() * kw["sparsity"]))
+        magnitude = ~keep  # pruned: the lowest |W| of the layer (N:M: of every M columns)
         sgpt, seconds = timed(lambda: sparsegpt_solve(W, H, **kw), device)
         result["error"][setting] = {
             "magnitude": rel_error(W, W.masked_fill(magnitude, 0), X_test),

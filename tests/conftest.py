@@ -1,4 +1,3 @@
-import os
 import sys
 from pathlib import Path
 
@@ -8,16 +7,30 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_environment(tmp_path_factory):
+    """For the whole session, session- and module-scoped fixtures included (they are set up before
+    any function-scoped fixture): synthetic data goes to one cache shared by every test (generating
+    it is the slow part), the hub is offline, and the working directory is a scratch folder, so
+    nothing lands in the working tree."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("FAIRPRUNE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        mp.chdir(tmp_path_factory.mktemp("session-cwd"))
+        yield
+
+
 @pytest.fixture(autouse=True)
-def _isolated_cache(tmp_path_factory, monkeypatch):
-    """Synthetic data goes to a per-session cache, never into the working tree."""
-    monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    yield
+def _run_in_tmp_path(tmp_path, monkeypatch):
+    """Every test runs in its own ``tmp_path``: relative outputs (``runs/``, ``lightning_logs/``, a
+    ``default_root_dir`` left unset) land there. Reach repository files through ``repo_root`` /
+    ``ROOT`` (absolute), never through the working directory."""
+    monkeypatch.chdir(tmp_path)
 
 
 @pytest.fixture
 def repo_root() -> Path:
+    """The repository checkout (configs/, data/), absolute."""
     return ROOT
 
 
@@ -38,7 +51,6 @@ def dense_ckpt(tmp_path_factory) -> Path:
     from fairprune.cli.train import main
 
     out = tmp_path_factory.mktemp("dense")
-    os.environ["FAIRPRUNE_CACHE"] = str(tmp_path_factory.getbasetemp() / "cache")
     status = main(["fit", "--config", str(ROOT / "configs" / "vision" / "demo.yaml"), "--trainer.max_epochs", "1",
                    "--trainer.limit_train_batches", "4", "--trainer.limit_val_batches", "2", "--trainer.accelerator", "cpu",
                    "--trainer.logger.init_args.save_dir", str(out), "--data.synthetic_size", "300",

@@ -209,9 +209,36 @@ def test_gates_start_as_the_base_and_train_only_delta_alpha_and_head(bios):
     assert {"classifier.weight", "classifier.bias"} <= trainable
     assert all(".delta" in n or ".log_alpha" in n or n.startswith("classifier.") for n in trainable)
     assert "classifier.weight" not in names and "bert.embeddings.word_embeddings.weight" in names
+    assert len(module.configure_optimizers().param_groups) == 1  # the model alone knows no log α
+    DiffPruning().register(module)
     groups = module.configure_optimizers().param_groups
     assert groups[1]["lr"] == 0.1 and groups[1]["weight_decay"] == 0.0
     assert {id(p) for p in groups[1]["params"]} == {id(p) for p in diff.alpha_parameters(module.model)}
+    assert {id(p) for p in groups[0]["params"]} == {id(p) for p in module.parameters() if p.requires_grad} - {id(p) for p in groups[1]["params"]}
+
+
+def test_registered_penalty_joins_the_training_loss(bios):
+    module = tiny_module(bios)
+    diff.attach_gates(module.model)
+    randomize_gates(module.model)
+    module.train()
+    batch = next(iter(bios.train_dataloader()))
+
+    def task_loss():
+        torch.manual_seed(3)  # the same gate samples for every forward
+        return module.loss(module(batch["input_ids"], batch["attention_mask"]), batch["labels"])
+
+    torch.manual_seed(3)
+    assert torch.equal(module.training_step(batch, 0), task_loss())  # no callback: no penalty
+    DiffPruning().register(module)
+    torch.manual_seed(3)
+    loss = module.training_step(batch, 0)
+    penalty = diff.l0_penalty(module.model)
+    assert penalty.requires_grad and penalty > 0
+    assert torch.allclose(loss, task_loss() + penalty)
+    diff.magnitude_prune(module.model, 0.05)  # fixed gates: the penalty is gone
+    torch.manual_seed(3)
+    assert torch.equal(module.training_step(batch, 0), task_loss())
 
 
 @pytest.mark.parametrize("fraction", [0.003, 0.05, 0.5])
@@ -358,6 +385,8 @@ def test_callback_runs_its_stages_through_the_cli(repo_root, tmp_path):
     assert per_epoch["diff/stage"].tolist() == [1.0, 1.0, 2.0]
     assert per_epoch["diff/expected_l0"].iloc[-1] == pytest.approx(0.02, rel=1e-3)
     assert metrics["val/acc/female"].notna().any()
+    penalty = metrics.dropna(subset=["train/l0_penalty"])  # logged by the model for the callback's loss term
+    assert penalty["epoch"].tolist() == [0, 1] and (penalty["train/l0_penalty"] > 0).all()  # gated epochs only
 
     # The Lightning checkpoint reloads with its gates; the diff rebuilds the same model from the base.
     ckpt = next((run / "checkpoints").glob("*.ckpt"))

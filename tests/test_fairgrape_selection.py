@@ -232,6 +232,31 @@ def test_select_layer_mask_prunes_only_alive_weights():
         mask = new_mask
 
 
+def test_select_layer_mask_with_a_quota_and_its_share_report():
+    """The callback's form: a kept count instead of a fraction, and the step's share report."""
+    rng = np.random.default_rng(6)
+    importance = torch.from_numpy(rng.random((4, 5, 7)))
+    mask = torch.from_numpy(rng.random((5, 7)) < 0.7)
+    alive = int(mask.sum())
+    for quota in (0, 1, alive // 2, alive):
+        new_mask, report = select_layer_mask(importance, mask, quota=quota, report=True)
+        assert int(new_mask.sum()) == quota and not (new_mask & ~mask).any()
+        candidates = mask.reshape(-1).nonzero().squeeze(1)
+        keep = greedy_select_reference(importance.reshape(4, -1)[:, candidates], quota)
+        assert torch.equal(new_mask.reshape(-1)[candidates], keep)
+        assert report == group_share_report(importance, new_mask, candidates=mask)
+        assert (report["kept"], report["candidates"]) == (quota, alive)
+    fraction_mask, fraction_report = select_layer_mask(importance, mask, 0.5, report=True)
+    assert torch.equal(fraction_mask, select_layer_mask(importance, mask, quota=layer_quota(alive, 0.5)))
+    assert fraction_report["kept"] == layer_quota(alive, 0.5)
+    with pytest.raises(ValueError, match="quota"):
+        select_layer_mask(importance, mask, quota=alive + 1)
+    with pytest.raises(ValueError, match="exactly one"):
+        select_layer_mask(importance, mask, 0.5, quota=3)
+    with pytest.raises(ValueError, match="exactly one"):
+        select_layer_mask(importance, mask)
+
+
 def test_select_layer_mask_with_nothing_alive():
     mask = torch.zeros(3, 4, dtype=torch.bool)
     assert not select_layer_mask(torch.ones(2, 3, 4), mask, 0.9).any()

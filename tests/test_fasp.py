@@ -4,6 +4,7 @@ by the properties that define them), the Î³ search and the whole run with save â
 
 from __future__ import annotations
 
+import json
 import math
 
 import pandas as pd
@@ -20,6 +21,7 @@ from fairprune.pruning.fasp import (
     select_fasp, select_heads, token_ids, run_fasp,
 )
 from fairprune.pruning.heads import HeadGates, head_weight_norms
+from fairprune.reporting.runs import write_head_run
 
 GEN = Generation(max_new_tokens=4, batch_size=64)
 
@@ -360,16 +362,20 @@ def test_gamma_search_follows_the_papers_rule(tokenizer, corpus):
 
 def test_run_fasp_prunes_saves_and_reports(tokenizer, corpus, tmp_path):
     model = tiny_gpt2(tokenizer)
-    report = run_fasp(model, tokenizer, small_prompts(), corpus.validation, method="fasp", gamma=0.25, alpha=0.25,
-                      axis="all", scorer=LetterShare(), output_dir=tmp_path, generation=GEN, seqlen=32,
-                      ppl_batch_size=16, progress=False)
+    run = run_fasp(model, tokenizer, small_prompts(), corpus.validation, method="fasp", gamma=0.25, alpha=0.25,
+                   axis="all", scorer=LetterShare(), output_dir=tmp_path, generation=GEN, seqlen=32,
+                   ppl_batch_size=16, progress=False)
+    report = run.report
+    assert not (tmp_path / "config.json").exists()  # the method writes only its scoring journal
+    write_head_run(tmp_path, model, tokenizer, run, {"method": "fasp"})
+    assert json.loads((tmp_path / "report.json").read_text())["heads_removed"] == report["heads_removed"]
     assert len(report["heads_removed"]) == 2 and len(report["protected"]) == 2
     assert not set(map(tuple, report["heads_removed"])) & set(map(tuple, report["protected"]))
     assert set(report["fairness"]["bias"]) == {"gender_and_sex", "religion"}
     assert math.isfinite(report["metrics"]["perplexity"]) and report["seconds"]["total"] > 0
     assert len(pd.read_csv(tmp_path / "head_scores.csv")) == 9
     assert (tmp_path / "heads_heatmap.png").stat().st_size > 0 and (tmp_path / "axis_correlation.png").exists()
-    reloaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path / "model").eval()
+    reloaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     batch = token_ids(tokenizer, corpus.validation)[:32][None]
     with torch.no_grad():
         assert torch.allclose(reloaded(batch).logits, model(batch).logits, atol=1e-5)
@@ -390,7 +396,7 @@ def test_run_fasp_checks_ratios_before_scoring(tokenizer, corpus, tmp_path):
 
 
 def test_run_fasp_baselines_need_no_head_scores(tokenizer, corpus, tmp_path):
-    report = run_fasp(tiny_gpt2(tokenizer), tokenizer, small_prompts(), corpus.validation, method="magnitude", alpha=0.25,
-                      scorer=LetterShare(), output_dir=tmp_path, generation=GEN, seqlen=32, progress=False)
-    assert len(report["heads_removed"]) == 2 and report["protected"] == []
-    assert not (tmp_path / "head_scores.csv").exists() and (tmp_path / "model" / "config.json").exists()
+    run = run_fasp(tiny_gpt2(tokenizer), tokenizer, small_prompts(), corpus.validation, method="magnitude", alpha=0.25,
+                   scorer=LetterShare(), output_dir=tmp_path, generation=GEN, seqlen=32, progress=False)
+    assert len(run.report["heads_removed"]) == 2 and run.report["protected"] == []
+    assert not (tmp_path / "head_scores.csv").exists() and run.impact is None and run.bias_by_axis is None

@@ -8,28 +8,20 @@ import copy
 
 import pytest
 import torch
-import transformers as tf
 
 from fairprune.errors import UserError
 from fairprune.families import family_of, linear_weight
 from fairprune.pruning.heads import HeadGates, head_weight_norms, remove_heads
+import tiny_models
+from tiny_models import VOCAB
 
-VOCAB = 96
-TOKENS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+# The shared tiny models, with every Llama projection biased (a bias slice missed shows) and OPT without project_in.
 BUILDERS = {
-    "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, **TOKENS)),
-    "gpt_neo": lambda: tf.GPTNeoForCausalLM(tf.GPTNeoConfig(
-        num_layers=2, hidden_size=64, num_heads=4, vocab_size=VOCAB, max_position_embeddings=64,
-        attention_types=[[["global", "local"], 1]], window_size=8, intermediate_size=128, **TOKENS)),
-    "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, attention_bias=True, **TOKENS)),
-    "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(
-        num_hidden_layers=2, hidden_size=64, ffn_dim=128, num_attention_heads=4, vocab_size=VOCAB,
-        max_position_embeddings=64, **TOKENS)),
-    "bert": lambda: tf.BertForMaskedLM(tf.BertConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0)),
+    "gpt2": tiny_models.BUILDERS["gpt2"],
+    "gpt_neo": tiny_models.BUILDERS["gpt_neo"],
+    "llama": tiny_models.builder("llama", attention_bias=True),
+    "opt": tiny_models.builder("opt", word_embed_proj_dim=None),
+    "bert": tiny_models.BUILDERS["bert"],
 }
 # Head sets: mixed per layer; a whole GQA group (Llama heads 0, 1 share key/value head 0); one head per group.
 HEAD_SETS = {
@@ -233,3 +225,19 @@ def test_head_weight_norms_against_a_plain_loop(model_type):
             rows, kv_rows = slice(head * hd, (head + 1) * hd), slice(g * hd, (g + 1) * hd)
             total = q[rows].pow(2).sum() + k[kv_rows].pow(2).sum() + v[kv_rows].pow(2).sum() + o[:, rows].pow(2).sum()
             assert torch.isclose(norms[layer, head], total.sqrt(), rtol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", list(BUILDERS))
+def test_family_row_locates_every_head_piece(model_type):
+    """The head fields of each family's row match its model: q/k/v widths and the attributes
+    that head removal rewrites exist and hold the head counts (a misspelt one would be created)."""
+    model = build(model_type)
+    family = family_of(model)
+    heads, kv, dim = family.num_heads(model.config), family.num_kv_heads(model.config), family.head_dim(model.config)
+    for block in family.block_list(model):
+        attention = family.attention_module(block)
+        assert sum(linear_weight(layer).shape[0] for layer in family.qkv_layers(block)) == (heads + 2 * kv) * dim
+        assert all(getattr(attention, name) == heads for name in family.head_counts)
+        assert all(getattr(attention, name) == heads * dim for name in family.head_widths)
+        assert family.head_groups is None or getattr(attention, family.head_groups) == heads // kv
+    assert family.heads_shrinkable == (model_type == "llama")

@@ -20,30 +20,7 @@ from fairprune.pruning.calibration import make_inputs, run_layerwise
 from fairprune.pruning.llm import prune_causal_lm, sparsity_by_layer
 from fairprune.pruning.sparsegpt import Hessian, PairedHessian, inverse_hessian_cholesky, sparsegpt_solve
 from fairprune.pruning.wanda import InputNorms, wanda_mask
-
-VOCAB = 96
-TOKENS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
-BUILDERS = {
-    "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, **TOKENS)),
-    "gpt_neo": lambda: tf.GPTNeoForCausalLM(tf.GPTNeoConfig(
-        num_layers=2, hidden_size=64, num_heads=4, vocab_size=VOCAB, max_position_embeddings=64,
-        attention_types=[[["global", "local"], 1]], window_size=8, intermediate_size=128, **TOKENS)),
-    "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(
-        num_hidden_layers=2, hidden_size=64, ffn_dim=128, num_attention_heads=4, vocab_size=VOCAB,
-        max_position_embeddings=64, word_embed_proj_dim=32, **TOKENS)),  # exercises project_in
-    "llama": lambda: tf.LlamaForCausalLM(tf.LlamaConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, **TOKENS)),
-    "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, **TOKENS)),
-    "bert": lambda: tf.BertForMaskedLM(tf.BertConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=0)),
-    "roberta": lambda: tf.RobertaForMaskedLM(tf.RobertaConfig(
-        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        vocab_size=VOCAB, max_position_embeddings=68, pad_token_id=1)),
-}
+from tiny_models import BUILDERS, VOCAB
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -115,7 +115,7 @@ def _fit(ckpt, folder, kill_at=None, resume=None):
     if kill_at is not None:
         callbacks.append(_Kill(kill_at))
     trainer = L.Trainer(max_epochs=callback.last_epoch_needed, logger=False, callbacks=callbacks,
-                        enable_model_summary=False, **FAST)
+                        default_root_dir=folder, enable_model_summary=False, **FAST)
     trainer.fit(model, datamodule=data, ckpt_path=resume, weights_only=False)
     return {t.name: t.mask.clone() for t in prunable_targets(model)}
 
@@ -123,6 +123,7 @@ def _fit(ckpt, folder, kill_at=None, resume=None):
 @pytest.mark.parametrize("kill_at", [1, 2])
 def test_resume_reaches_the_same_mask(dense_ckpt, tmp_path, kill_at):
     straight = _fit(dense_ckpt, tmp_path / "a")
+    assert (tmp_path / "a" / "group_shares.csv").is_file()  # in default_root_dir, not the working directory
     with pytest.raises(RuntimeError, match="killed"):
         _fit(dense_ckpt, tmp_path / "b", kill_at=kill_at)
     resumed = _fit(dense_ckpt, tmp_path / "b", resume=str(tmp_path / "b" / "last.ckpt"))

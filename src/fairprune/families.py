@@ -2,8 +2,9 @@
 
 Pruning methods never branch on the model type: they ask a :class:`Family` for the embedding
 front (the modules that run before the first block), the list of transformer blocks, the
-prunable linear layers of a block, the attention output projection and the head counts. Adding
-a family means adding one row to :data:`FAMILIES`.
+prunable linear layers of a block, the attention output projection, the head counts and where
+each head lives (q/k/v projections and head-count attributes, read by
+:mod:`fairprune.pruning.heads`). Adding a family means adding one row to :data:`FAMILIES`.
 
 All paths are relative to ``model.base_model`` (``GPT2Model`` inside ``GPT2LMHeadModel``, ...),
 so a bare backbone and a model with a task head resolve the same way.
@@ -33,9 +34,21 @@ class Family:
     blocks: str  # the ``nn.ModuleList`` of transformer blocks
     linears: tuple[str, ...]  # prunable layers, relative to one block, in forward order
     attn_out: str  # attention output projection, relative to one block
+    attention: str  # the attention module, relative to one block
+    qkv: tuple[str, ...]  # (q, k, v) relative to ``attention``; a single entry is a fused [q | k | v] layer
     heads_key: str = "num_attention_heads"
     kv_heads_key: str | None = None  # grouped-query attention; None: same as heads
     head_dim_key: str | None = None  # None: hidden_size // heads
+    # Attributes of the attention module that head removal keeps in step with the tensors:
+    head_counts: tuple[str, ...] = ()  # the number of query heads
+    head_widths: tuple[str, ...] = ()  # query heads × head_dim
+    head_groups: str | None = None  # query heads per key/value head
+
+    @property
+    def heads_shrinkable(self) -> bool:
+        """The config states ``head_dim`` apart from ``hidden_size``, so a saved model may have
+        fewer heads than the original (Llama, Mistral); other families keep their head count."""
+        return self.head_dim_key is not None
 
     def block_list(self, model: nn.Module) -> nn.ModuleList:
         """The transformer blocks, in order."""
@@ -54,6 +67,15 @@ class Family:
     def attention_out(self, block: nn.Module) -> nn.Module:
         """The attention output projection (its input is the concatenation of all heads)."""
         return _get(block, self.attn_out)
+
+    def attention_module(self, block: nn.Module) -> nn.Module:
+        """The attention module of one block (it holds the head-count attributes)."""
+        return _get(block, self.attention)
+
+    def qkv_layers(self, block: nn.Module) -> list[nn.Module]:
+        """The q, k, v projections of one block, or the one fused ``[q | k | v]`` layer."""
+        attention = self.attention_module(block)
+        return [_get(attention, path) for path in self.qkv]
 
     def num_heads(self, config) -> int:
         """Number of query heads."""
@@ -79,6 +101,7 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         name="gpt2", model_types=("gpt2",), front=("wte", "wpe"), blocks="h",
         linears=("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"), attn_out="attn.c_proj",
+        attention="attn", qkv=("c_attn",), head_counts=("num_heads",), head_widths=("split_size",),
     ),
     Family(
         name="gpt-neo", model_types=("gpt_neo",), front=("wte", "wpe"), blocks="h",
@@ -87,6 +110,7 @@ FAMILIES: tuple[Family, ...] = (
             "attn.attention.out_proj", "mlp.c_fc", "mlp.c_proj",
         ),
         attn_out="attn.attention.out_proj",
+        attention="attn.attention", qkv=("q_proj", "k_proj", "v_proj"), head_counts=("num_heads",),
     ),
     Family(
         name="opt", model_types=("opt",),
@@ -97,11 +121,13 @@ FAMILIES: tuple[Family, ...] = (
             "fc1", "fc2",
         ),
         attn_out="self_attn.out_proj",
+        attention="self_attn", qkv=("q_proj", "k_proj", "v_proj"), head_counts=("num_heads",),
     ),
     Family(
         name="llama", model_types=("llama", "mistral"), front=("embed_tokens", "rotary_emb"),
         blocks="layers", linears=_LLAMA_LINEARS, attn_out="self_attn.o_proj",
-        kv_heads_key="num_key_value_heads", head_dim_key="head_dim",
+        attention="self_attn", qkv=("q_proj", "k_proj", "v_proj"),
+        kv_heads_key="num_key_value_heads", head_dim_key="head_dim", head_groups="num_key_value_groups",
     ),
     Family(
         name="bert", model_types=("bert", "roberta"), front=("embeddings",), blocks="encoder.layer",
@@ -110,6 +136,8 @@ FAMILIES: tuple[Family, ...] = (
             "attention.output.dense", "intermediate.dense", "output.dense",
         ),
         attn_out="attention.output.dense",
+        attention="attention.self", qkv=("query", "key", "value"),
+        head_counts=("num_attention_heads",), head_widths=("all_head_size",),
     ),
 )
 

@@ -8,10 +8,15 @@ Stages inside one ``fit``:
    of the gated entries; the binary mask replaces the gates and the optimizer is rebuilt;
 3. fixed-mask fine-tuning for ``finetune_epochs``.
 
+The callback is the one place that knows Diff-Pruning: in ``setup`` it registers the expected-L0
+penalty as a loss term and the gates' ``log α`` as their own optimizer group (learning rate
+``alpha_lr``, no weight decay) on the LightningModule (:class:`fairprune.models.terms.TrainingTerms`);
+a module that builds its optimizer from plain ``parameters()`` gets the ``log α`` moved into their
+own group when fit starts.
+
 When ``fit`` ends the callback writes the diff-only checkpoint (``<run>/diff``: sparse δ, the
 head, a JSON naming and hashing the base). A model built from a config has no base anyone else
 holds, so its starting weights are written to ``<run>/base`` (``save_pretrained``) first.
-
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import time
 from typing import Any
 
 import lightning as L
+import torch
 from torch import nn
 
 from fairprune.errors import UserError
@@ -29,6 +35,19 @@ from fairprune.pruning import diff
 def root_model(pl_module: L.LightningModule) -> nn.Module:
     """The transformers model inside the LightningModule (gate names are relative to it)."""
     return getattr(pl_module, "model", pl_module)
+
+
+def l0_penalty_term(pl_module: nn.Module) -> torch.Tensor:
+    """The loss term the callback registers: ``λ Σ P(z > 0)`` over the gates still in the gated stage."""
+    return diff.l0_penalty(root_model(pl_module))
+
+
+def log_alpha_group(pl_module: nn.Module) -> dict[str, Any]:
+    """The optimizer group the callback registers: the trainable ``log α``, their own lr, no weight decay."""
+    root = root_model(pl_module)
+    alphas = [p for p in diff.alpha_parameters(root) if p.requires_grad]
+    lr = next(iter(diff.gates(root).values())).cfg.alpha_lr if alphas else 0.0
+    return {"params": alphas, "lr": lr, "weight_decay": 0.0}
 
 
 class DiffPruning(L.Callback):
@@ -71,12 +90,22 @@ class DiffPruning(L.Callback):
     # -- stage 1: gates --------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         root = root_model(pl_module)
+        self.register(pl_module)
         if diff.gates(root):  # resumed from a checkpoint, or a second fit on the same module
             return
         self.base = getattr(pl_module, "base_name_or_path", None) or self._save_base(trainer, root)
         names = diff.attach_gates(root, self.parameters, self.cfg, self.train_ungated)
         self.base_hash = diff.base_sha256(root)
         print(f"[diff] gated {len(names)} tensors ({diff.gated_total(root):,} entries); base: {self.base}", flush=True)
+
+    def register(self, pl_module: L.LightningModule) -> None:
+        """Add the L0 penalty to the module's training loss and the ``log α`` group to its optimizer."""
+        if hasattr(pl_module, "add_loss_term") and hasattr(pl_module, "add_param_group"):
+            pl_module.add_loss_term("l0_penalty", l0_penalty_term)
+            pl_module.add_param_group("log_alpha", log_alpha_group)
+        else:
+            print(f"[diff] warning: {type(pl_module).__name__} takes no callback loss terms "
+                  "(fairprune.models.terms.TrainingTerms); the gates train without the L0 penalty", flush=True)
 
     def _save_base(self, trainer: L.Trainer, root: nn.Module) -> str:
         """A model built from a config: write its starting weights, the base the diff refers to."""
@@ -99,6 +128,7 @@ class DiffPruning(L.Callback):
         self.seconds.setdefault("start", time.perf_counter())
 
     def _separate_alphas(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # A module that built its optimizer from plain parameters(): its log α share a group.
         for optimizer in trainer.optimizers:
             if diff.separate_alpha_group(optimizer, root_model(pl_module)):
                 print(f"[diff] log α moved into their own optimizer group (lr {self.cfg.alpha_lr})", flush=True)

@@ -21,7 +21,7 @@ from fairprune.errors import UserError, suggest
 from fairprune.hub import resolve_device
 from fairprune.pruning import registry
 from fairprune.pruning.llm import parse_sparsity, prune_and_measure
-from fairprune.reporting.report import write_json, write_lm_run
+from fairprune.reporting.runs import write_head_run, write_lm_run
 
 
 HEAD_METHOD = "fasp"
@@ -72,18 +72,21 @@ class PostTrainingPruning(L.Callback):
         settings = {**self.settings, "device": resolve_device(self.settings["device"])}
         report, layers = prune_and_measure(model, pl_module.tokenizer, self.method, self.sparsity, texts, seed=self.seed, **settings)
         self.report = {"method": self.method, "model": str(run_dir(trainer) / "model"), **report}
-        write_lm_run(out, model, pl_module.tokenizer, self.report, layers,
-                     {"method": self.method, "sparsity": str(self.sparsity), "pairs": self.pairs, **self.settings})
+        write_lm_run(out, model, pl_module.tokenizer, self.report,
+                     {"method": self.method, "sparsity": str(self.sparsity), "pairs": self.pairs, **self.settings}, layers)
         print(f"[{self.method}] perplexity {report['reference']['metrics']['perplexity']:.2f} → "
               f"{report['metrics']['perplexity']:.2f}; written to {out}", flush=True)
 
     def _prune_heads(self, trainer: L.Trainer, pl_module: L.LightningModule, val_text: str) -> None:
         from fairprune.pruning.fasp import Generation, run_fasp
+
         out = run_dir(trainer) / "pruned-fasp"
         model = copy.deepcopy(pl_module.model).cpu()
         f = self.fasp
-        self.report = run_fasp(model, pl_module.tokenizer, None, val_text, "fasp", f["gamma"], f["alpha"], f["axis"],
-                               f["scorer"], out, generation=Generation(max_new_tokens=f["max_new_tokens"], seed=self.seed),
-                               seqlen=self.settings["seqlen"], seed=self.seed)
-        write_json(out / "report.json", self.report)
+        run = run_fasp(model, pl_module.tokenizer, None, val_text, "fasp", f["gamma"], f["alpha"], f["axis"],
+                       f["scorer"], out, generation=Generation(max_new_tokens=f["max_new_tokens"], seed=self.seed),
+                       seqlen=self.settings["seqlen"], seed=self.seed)
+        self.report = {**run.report, "model": str(run_dir(trainer) / "model")}
+        run.report = self.report
+        write_head_run(out, model, pl_module.tokenizer, run, {"method": "fasp", **f, "seed": self.seed, **self.settings})
         print(f"[fasp] removed {len(self.report['heads_removed'])} heads; written to {out}")

@@ -14,6 +14,10 @@ Methods:
   kept weights rewind to their values at ``rewind_epoch``);
 - ``snip`` (|g·w|, one batch, global) and ``grasp`` (−w·Hg, global).
 
+Selection is the tested library code: FairGRAPE's :func:`~fairprune.pruning.fairgrape.select_layer_mask`,
+and :func:`fairprune.pruning.select.top_k` for the others (per layer or over all layers; ties keep
+the lower index; a pruned weight is never revived).
+
 At the first step the dense model's per-group validation figures become the reference: from then
 on every validation logs each group's degradation and their std / variance, and the report carries
 the dense figures under ``reference``.
@@ -21,7 +25,6 @@ the dense figures under ``reference``.
 
 from __future__ import annotations
 
-import math
 import time
 from typing import Any
 
@@ -30,12 +33,11 @@ import torch
 import torch.nn.functional as F
 
 from fairprune.errors import UserError
-from fairprune.metrics.group import GroupRates
+from fairprune.metrics.group import GroupRates, result_values
 from fairprune.pruning import importance as imp
-from fairprune.pruning import registry
-from fairprune.pruning.fairgrape import greedy_select, group_share_report, layer_quota
+from fairprune.pruning import registry, select
+from fairprune.pruning.fairgrape import layer_quota, select_layer_mask
 from fairprune.pruning.masks import Target, achieved_sparsity, apply_mask, prunable_targets
-from fairprune.reporting.report import split_results
 
 
 
@@ -47,15 +49,6 @@ def density_schedule(target_sparsity: float, keep_per_iter: float) -> list[float
         d = max(d * keep_per_iter, final)
         densities.append(d)
     return densities
-
-
-def _top_k_mask(scores: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the ``k`` best-scoring candidates (ties: lower index first); never revive a pruned one."""
-    flat = torch.where(candidates.flatten(), scores.flatten().double(), torch.tensor(-math.inf, dtype=torch.float64))
-    order = torch.sort(flat, descending=True, stable=True).indices[:k]
-    keep = torch.zeros_like(flat, dtype=torch.bool)
-    keep[order] = True
-    return keep.view_as(candidates) & candidates
 
 
 class IterativePruning(L.Callback):
@@ -191,7 +184,7 @@ class IterativePruning(L.Callback):
 
     def _push_reference(self, pl_module: L.LightningModule) -> None:
         for stage, results in (self.reference or {}).items():
-            pl_module.set_reference({k[4:]: v for k, v in results.items() if k.startswith("acc/")}, stage=stage)
+            pl_module.set_reference({g: v["accuracy"] for g, v in results["groups"].items() if "accuracy" in v}, stage=stage)
 
     def _importance_loader(self, trainer: L.Trainer, pl_module: L.LightningModule):
         loader = trainer.datamodule.importance_dataloader(self.importance_fraction, seed=self.seed)
@@ -216,28 +209,23 @@ class IterativePruning(L.Callback):
         return imp.group_scores(pl_module, targets, loader, F.cross_entropy, device, num_groups, names)
 
     def _select(self, targets: list[Target], scores: dict[str, torch.Tensor], density: float) -> list[torch.Tensor]:
+        """Keep masks (True = keep) at ``density`` of every layer, never reviving a pruned weight."""
         if registry.get(self.method, "vision").scope == "global":
             # Global ranking over every targeted weight (SNIP and GraSP as published).
-            flat = torch.cat([scores[t.name].flatten().cpu() for t in targets])
-            cands = torch.cat([t.mask.flatten().cpu() for t in targets])
-            keep = _top_k_mask(flat, cands, layer_quota(flat.numel(), density))
-            chunks = torch.split(keep, [t.weight.numel() for t in targets])
-            return [chunk.view(t.weight.shape) for chunk, t in zip(chunks, targets)]
+            total = sum(t.weight.numel() for t in targets)
+            keeps = select.top_k({t.name: scores[t.name].cpu() for t in targets}, layer_quota(total, density),
+                                 {t.name: t.mask.cpu() for t in targets})
+            return [keeps[t.name] for t in targets]
         keeps = []
         for t in targets:
             quota = layer_quota(t.weight.numel(), density)
             candidates = t.mask.cpu()
             if self.method == "fairgrape":
-                group_imp = scores[t.name].flatten(1).cpu()
-                cand_idx = candidates.flatten().nonzero().squeeze(1)
-                chosen = greedy_select(group_imp[:, cand_idx], min(quota, cand_idx.numel()))
-                keep = torch.zeros(candidates.numel(), dtype=torch.bool)
-                keep[cand_idx[chosen]] = True
-                keep = keep.view_as(candidates)
-                share = group_share_report(group_imp[:, cand_idx], chosen)
+                keep, share = select_layer_mask(scores[t.name], candidates, quota=min(quota, int(candidates.sum())),
+                                                report=True)
                 self.shares.append({"layer": t.name, "step": self.steps_done + 1, **share})
             else:
-                keep = _top_k_mask(scores[t.name].cpu(), candidates, quota)
+                keep = select.top_k(scores[t.name].cpu(), quota, candidates)
             keeps.append(keep)
         return keeps
 
@@ -247,23 +235,26 @@ class IterativePruning(L.Callback):
             pl_module.log("prune/sparsity", achieved_sparsity(self._targets(pl_module)))
             pl_module.log("prune/steps_done", float(self.steps_done))
 
+    def share_rows(self) -> list[dict[str, Any]]:
+        """FairGRAPE's kept share of each group's importance per layer and step, against its target."""
+        return [{"layer": s["layer"], "step": s["step"], "group": g, "target": t, "share": sh}
+                for s in self.shares for g, t, sh in zip(self._group_labels, s["target"], s["share"])]
+
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.shares and trainer.is_global_zero:
             import pandas as pd
 
             from fairprune.callbacks.report import run_dir
 
-            rows = [{"layer": s["layer"], "step": s["step"], "group": g, "target": t, "share": sh}
-                    for s in self.shares for g, t, sh in zip(self._group_labels, s["target"], s["share"])]
             run_dir(trainer).mkdir(parents=True, exist_ok=True)
-            pd.DataFrame(rows).to_csv(run_dir(trainer) / "group_shares.csv", index=False)
+            pd.DataFrame(self.share_rows()).to_csv(run_dir(trainer) / "group_shares.csv", index=False)
 
     def report_fields(self) -> dict[str, Any]:
         fields: dict[str, Any] = {"method": self.method, "target_sparsity": self.target_sparsity,
                                   "keep_per_iter": self.keep_per_iter, "steps": self.history,
                                   "groups_from": self.groups}
         if self.reference is not None:
-            fields["reference"] = {"method": "dense", **{stage: split_results(r) for stage, r in self.reference.items()}}
+            fields["reference"] = {"method": "dense", **self.reference}
         fields["seconds"] = {
             "importance": sum(h["seconds_importance"] for h in self.history),
             "selection": sum(h["seconds_selection"] for h in self.history),
@@ -287,12 +278,13 @@ def _weight_param(t: Target) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(pl_module: L.LightningModule, loader) -> dict[str, float]:
-    """Per-group figures of ``pl_module`` on ``loader`` (used for the dense reference)."""
+def evaluate(pl_module: L.LightningModule, loader) -> dict[str, Any]:
+    """Per-group figures of ``pl_module`` on ``loader`` (used for the dense reference), nested as
+    reports hold them."""
     metric = GroupRates(len(pl_module.class_names), len(pl_module.group_names), pl_module.group_names).to(pl_module.device)
     for x, y, g in loader:
         metric.update(pl_module(x.to(pl_module.device)), y.to(pl_module.device), g.to(pl_module.device))
-    return {k: float(v) for k, v in metric.compute().items()}
+    return result_values(metric.result())
 
 
 @torch.no_grad()

@@ -1,4 +1,5 @@
-"""Write ``report.json`` and the per-group table at the end of every fit and test."""
+"""Write ``report.json`` and the per-group table at the end of every fit and test, and the trained
+model's transformers folder (``<run>/model``) when training ends."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import lightning as L
 import pandas as pd
 
 from fairprune.pruning.masks import achieved_sparsity, prunable_targets, sparsity_table
-from fairprune.reporting.report import group_table, markdown, split_results, write_json
+from fairprune.reporting.report import Report, group_table, markdown, write_json
 
 
 def run_dir(trainer: L.Trainer) -> Path:
@@ -23,6 +24,10 @@ class ReportWriter(L.Callback):
 
     Other callbacks contribute fields by defining ``report_fields() -> dict`` (a pruning callback
     gives its method, target sparsity, reference and timings); the data module may define it too.
+
+    A model that defines ``export_parts() -> list`` (a causal LM: its transformers model and
+    tokenizer) has each part written with ``save_pretrained`` to ``<run>/model`` when training
+    ends, by the first process only; models never write run folders themselves.
     """
 
     def __init__(self, filename: str = "report.json", print_table: bool = True) -> None:
@@ -30,6 +35,7 @@ class ReportWriter(L.Callback):
         self.print_table = print_table
         self._start = time.perf_counter()
         self._fitted = False
+        self.reports: dict[str, Report] = {}  # the last report written per split, for the caller
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # A fit followed by a test on the same trainer (pruning runs) counts from the fit's start.
@@ -49,12 +55,12 @@ class ReportWriter(L.Callback):
                 fields.update(source.report_fields())
         return fields
 
-    def write(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> dict[str, Any] | None:
+    def write(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> Report | None:
         results = getattr(pl_module, "last_results", {}).get(stage)
         if not results or trainer.sanity_checking or not trainer.is_global_zero:
             return None
         targets = prunable_targets(pl_module)
-        report: dict[str, Any] = {
+        report: Report = {
             "method": "dense",
             "model": pl_module.hparams.get("backbone") or pl_module.hparams.get("model")
             or (pl_module.hparams.get("config") or {}).get("model_type") or type(pl_module).__name__,
@@ -65,7 +71,7 @@ class ReportWriter(L.Callback):
         if isinstance(reference, dict) and stage in reference:  # per-split references: keep this split's
             report["reference"] = {"method": reference.get("method", "dense"), **reference[stage]}
         report["achieved_sparsity"] = achieved_sparsity(targets)
-        report.update(split_results(results))
+        report.update({"metrics": {}, "groups": {}, "fairness": {}, **results})  # as the module measured them
         report.setdefault("seconds", {})["total"] = time.perf_counter() - self._start
         out = run_dir(trainer)
         write_json(out / self.filename, report)
@@ -79,7 +85,18 @@ class ReportWriter(L.Callback):
                 print(markdown(table))
             figures = {**report["metrics"], **report["fairness"]}
             print("  ".join(f"{k}={v:.4f}" for k, v in figures.items() if isinstance(v, (int, float))) + "\n")
+        self.reports[stage] = report
         return report
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # Before any on_fit_end callback (post-training pruning) touches the weights.
+        parts = getattr(pl_module, "export_parts", lambda: [])()
+        if not parts or not trainer.is_global_zero or trainer.sanity_checking:
+            return
+        out = run_dir(trainer) / "model"
+        for part in parts:
+            part.save_pretrained(out)
+        print(f"[report] model written to {out}", flush=True)
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.write(trainer, pl_module, "val")

@@ -1,231 +1,215 @@
-"""The ``prune.py`` command line (jsonargparse, the same YAML conventions as ``train.py``).
+"""The ``prune.py`` command line, built by jsonargparse from the workflow functions' signatures.
 
-Subcommands:
+Each subcommand is a workflow function: its parameters are the command's options, with their types
+and the help from its docstring. A parameter typed with an option group of
+:mod:`fairprune.workflows.options` (``LMOptions``, ``SolverOptions``, ``HeadOptions``) adds that
+group's options flat (``--model``, ``--seqlen``, ...), so every LM command shares one set of names.
+Every subcommand takes ``--config file.yaml`` (keys = the option names) and ``--print_config``.
 
-- ``vision``: prune a trained vision checkpoint with one method, retraining between steps;
-- ``magnitude``, ``wanda``, ``sparsegpt``, ``debias-sparsegpt``: post-training pruning of a causal LM
-  (unstructured or N:M), written as a transformers folder with its report;
-- ``fasp``: fairness-aware attention-head pruning (and its baselines) of a causal LM;
-- ``diff-compare``: full fine-tuning, fine-tuning + pruned difference and Diff-Pruning, one table;
-- ``evaluate``: perplexity, paired stereotype score and sparsity of a causal LM;
-- ``compare``: several methods × sparsities from one vision checkpoint (``--ckpt``) or one causal
-  LM (``--model``), one table (and plots for vision).
-
-Every subcommand takes ``--config file.yaml`` (keys = the option names) and command-line
-overrides; ``--print_config`` shows the resolved configuration.
+Only the chosen subcommand's workflow is imported: ``prune.py --help`` loads neither torch nor
+Lightning.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+import inspect
+import sys
+import typing
+from importlib import import_module
+from typing import Any, Callable, NamedTuple
 
-from jsonargparse import ActionConfigFile, ArgumentParser
-
-from fairprune.callbacks.pruning import IterativePruning
-from fairprune.cli.train import guarded
-from fairprune.errors import UserError
-
-
-LLM_METHODS = ("magnitude", "wanda", "sparsegpt", "debias-sparsegpt")
-
-
-def _lm_args(parser: ArgumentParser) -> None:
-    parser.add_argument("--calib_text", type=str | None, default=None, help="calibration text file/folder (default: bundled corpus)")
-    parser.add_argument("--eval_text", type=str | None, default=None, help="perplexity text, e.g. WikiText-2 raw test (default: bundled)")
-    parser.add_argument("--pairs", type=str | None, default=None, help="StereoSet JSON or CrowS-Pairs CSV (default: bundled pairs)")
-    parser.add_argument("--nsamples", type=int, default=128, help="calibration windows")
-    parser.add_argument("--seqlen", type=int, default=128, help="calibration window length")
-    parser.add_argument("--eval_seqlen", type=int | None, default=None, help="perplexity window (default: --seqlen)")
-    parser.add_argument("--device", type=str, default="auto", help="auto, cpu, cuda, cuda:1 ...")
-    parser.add_argument("--percdamp", type=float, default=0.01, help="SparseGPT damping, fraction of mean diag(H)")
-    parser.add_argument("--blocksize", type=int, default=128, help="SparseGPT column block")
-    parser.add_argument("--trust_remote_code", type=bool, default=False, help="allow a hub model's own code to run")
+from fairprune.cli.guard import guarded
+from fairprune.errors import UserError, suggest
+from fairprune.pruning import registry
+from fairprune.workflows.options import DataOptions, HeadOptions, LMOptions, SolverOptions, TrainerOptions
 
 
-def _lm_settings(sub) -> dict[str, Any]:
-    keys = ("nsamples", "seqlen", "eval_seqlen", "device", "percdamp", "blocksize")
-    return {k: sub[k] for k in keys}
+class Command(NamedTuple):
+    summary: str
+    function: str  # "module:function" of the workflow it runs
+    fixed: dict[str, Any] = {}  # parameters the subcommand sets itself (the LM method)
+    hide: tuple[str, ...] = ()  # group options that mean nothing to this subcommand
 
 
-def _common(parser: ArgumentParser, ckpt_required: bool = True) -> None:
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of these options")
-    parser.add_argument("--ckpt", type=str | None, default=None, required=ckpt_required, help="dense checkpoint written by train.py")
-    parser.add_argument("--output", type=str, default="runs/prune", help="folder the run folder(s) go in")
-    parser.add_argument("--trainer", type=dict[str, Any], default={}, help="Trainer arguments (accelerator, limit_train_batches, ...)")
-    parser.add_argument("--data", type=dict[str, Any], default={}, help="data module overrides (root, batch_size, num_workers, ...)")
-    parser.add_argument("--seed", type=int, default=0)
+def _commands() -> dict[str, Command]:
+    commands = {"vision": Command("Prune a trained vision checkpoint: " + ", ".join(registry.names("vision")) + ".",
+                                 "fairprune.workflows.vision:prune_vision")}
+    for method in registry.names("lm"):
+        commands[method] = Command(f"Post-training {method} pruning of a causal LM (unstructured or N:M); "
+                                   "writes a transformers folder and its report.", "fairprune.workflows.lm:prune_lm",
+                                   {"method": method})
+    commands["fasp"] = Command("FASP: remove the attention heads that most raise toxicity disparity, protecting the "
+                               "heads perplexity needs (or a baseline: " + ", ".join(registry.names("heads")[1:]) + ").",
+                               "fairprune.workflows.heads:fasp")
+    commands["diff-compare"] = Command("Full fine-tuning vs fine-tuning + magnitude-pruned difference vs Diff-Pruning, "
+                                       "one table, from a train.py text config.", "fairprune.cli.prune:diff_compare")
+    commands["evaluate"] = Command("Perplexity, stereotype score and sparsity of a causal LM.",
+                                   "fairprune.workflows.lm:evaluate_lm")
+    commands["compare"] = Command("Compare methods x sparsities on a vision checkpoint (--ckpt) or a causal LM "
+                                  "(--model; --alphas for head pruning); one table.", "fairprune.cli.prune:compare",
+                                  hide=("alpha",))
+    return commands
 
 
-def build_parser() -> ArgumentParser:
-    parser = ArgumentParser(prog="prune.py", description="Prune trained models and measure what it costs each group.",
-                            exit_on_error=False)
-    commands = parser.add_subcommands(dest="command")
-
-    vision = ArgumentParser(description="Prune a trained vision checkpoint (FairGRAPE, magnitude, SNIP, GraSP, random, lottery).",
-                            exit_on_error=False)
-    _common(vision)
-    vision.add_class_arguments(IterativePruning, "pruning", help="pruning method and schedule")
-    vision.add_argument("--name", type=str | None, default=None, help="run folder name (default: the method)")
-    vision.add_argument("--resume", type=str | None, default=None, help="checkpoint of an interrupted pruning run to resume")
-    commands.add_subcommand("vision", vision)
-
-    for method in LLM_METHODS:
-        sub = ArgumentParser(description=f"Post-training {method} pruning of a causal LM; writes an HF folder.",
-                             exit_on_error=False)
-        sub.add_argument("--config", action=ActionConfigFile)
-        sub.add_argument("--model", type=str, required=True, help="hub name or folder (e.g. runs/lm/tiny_gpt2/model)")
-        sub.add_argument("--sparsity", type=str, default="0.5", help="fraction in [0, 1) or N:M such as 2:4")
-        sub.add_argument("--nm", type=str | None, default=None, help="N:M pattern (same as --sparsity 2:4)")
-        sub.add_argument("--output", type=str, required=True, help="folder for the pruned model and report.json")
-        sub.add_argument("--seed", type=int, default=0)
-        _lm_args(sub)
-        commands.add_subcommand(method, sub)
-
-    fasp = ArgumentParser(description="FASP: remove the attention heads that most raise toxicity disparity, "
-                                      "protecting the heads perplexity needs.", exit_on_error=False)
-    fasp.add_argument("--config", action=ActionConfigFile)
-    fasp.add_argument("--model", type=str, required=True, help="hub name or folder of a causal LM")
-    fasp.add_argument("--method", type=str, default="fasp", help="fasp, fairness, performance, magnitude, gradient, random")
-    fasp.add_argument("--gamma", type=float | None, default=0.3, help="share of heads protected for perplexity; null = search on validation prompts")
-    fasp.add_argument("--alpha", type=float, default=0.1, help="share of all heads to remove")
-    fasp.add_argument("--axis", type=str, default="gender_and_sex", help="bias axis, or 'all'")
-    fasp.add_argument("--scorer", type=str, default="lexicon", help="'lexicon' (bundled) or an HF toxicity classifier name/folder")
-    fasp.add_argument("--prompts", type=str | None, default=None, help="HolisticBias-format CSV (text,axis,bucket,descriptor); default bundled")
-    fasp.add_argument("--ppl_text", type=str | None, default=None, help="text for head scoring perplexity (default: bundled)")
-    fasp.add_argument("--eval_text", type=str | None, default=None, help="text for the reported perplexity (default: --ppl_text)")
-    fasp.add_argument("--max_new_tokens", type=int, default=20)
-    fasp.add_argument("--seqlen", type=int, default=128)
-    fasp.add_argument("--output", type=str, required=True, help="folder: pruned model, head_scores.csv, report.json, plots")
-    fasp.add_argument("--trust_remote_code", type=bool, default=False)
-    fasp.add_argument("--seed", type=int, default=0)
-    commands.add_subcommand("fasp", fasp)
-
-    diff = ArgumentParser(description="Full fine-tuning vs fine-tuning + magnitude-pruned difference vs Diff-Pruning, "
-                                      "one table, from a train.py text config.", exit_on_error=False)
-    diff.add_argument("--config", action=ActionConfigFile)
-    diff.add_argument("--train_config", type=str, required=True, help="a train.py config (model + data), e.g. configs/text/diffprune_bios.yaml")
-    diff.add_argument("--overrides", type=list[str], default=[], help="extra train.py arguments, e.g. ['--data.bios_size', '400']")
-    diff.add_argument("--target_fraction", type=float, default=0.005, help="share of weights the difference may change")
-    diff.add_argument("--epochs", type=int, default=3, help="epochs of full fine-tuning and of gated training")
-    diff.add_argument("--finetune_epochs", type=int, default=1, help="epochs of fixed-mask fine-tuning")
-    diff.add_argument("--trainer", type=dict[str, Any], default={}, help="Trainer arguments (accelerator, limit_train_batches, ...)")
-    diff.add_argument("--output", type=str, default="runs/diff_compare")
-    commands.add_subcommand("diff-compare", diff)
-
-    evaluate = ArgumentParser(description="Perplexity, stereotype score and sparsity of a causal LM.", exit_on_error=False)
-    evaluate.add_argument("--config", action=ActionConfigFile)
-    evaluate.add_argument("--model", type=str, required=True)
-    evaluate.add_argument("--output", type=str | None, default=None, help="folder for report.json")
-    evaluate.add_argument("--eval_text", type=str | None, default=None)
-    evaluate.add_argument("--pairs", type=str | None, default=None)
-    evaluate.add_argument("--seqlen", type=int, default=128)
-    evaluate.add_argument("--device", type=str, default="auto")
-    evaluate.add_argument("--trust_remote_code", type=bool, default=False)
-    evaluate.add_argument("--seed", type=int, default=0)
-    commands.add_subcommand("evaluate", evaluate)
-
-    compare = ArgumentParser(description="Compare methods x sparsities: a vision checkpoint (--ckpt) or a causal LM (--model).",
-                             exit_on_error=False)
-    _common(compare, ckpt_required=False)
-    compare.add_argument("--model", type=str | None, default=None, help="causal LM (name or folder) instead of --ckpt")
-    compare.add_argument("--methods", type=list[str], default=["magnitude", "fairgrape"])
-    compare.add_argument("--sparsities", type=list[str | float], default=[0.9], help="vision: fractions; LM: fractions or N:M")
-    compare.add_argument("--pruning", type=dict[str, Any], default={}, help="vision: settings shared by every method (keep_per_iter, ...)")
-    compare.add_argument("--alphas", type=list[float] | None, default=None,
-                         help="head pruning (FASP and baselines) at these α instead of weight sparsities")
-    compare.add_argument("--gamma", type=float | None, default=0.3, help="FASP's protected share (with --alphas)")
-    compare.add_argument("--axis", type=str, default="gender_and_sex", help="bias axis or 'all' (with --alphas)")
-    compare.add_argument("--scorer", type=str, default="lexicon", help="toxicity scorer (with --alphas)")
-    compare.add_argument("--prompts", type=str | None, default=None, help="HolisticBias-format CSV (with --alphas)")
-    compare.add_argument("--max_new_tokens", type=int, default=20, help="continuation length (with --alphas)")
-    _lm_args(compare)
-    commands.add_subcommand("compare", compare)
-    return parser
+COMMANDS = _commands()
 
 
-def run(args: list[str] | None = None) -> Any:
-    cfg = build_parser().parse_args(args)
-    sub = cfg[cfg.command]
-    if cfg.command == "vision":
-        from fairprune.workflows.vision import prune_vision
-
-        report = prune_vision(sub.ckpt, dict(sub.pruning), sub.output, sub.name, dict(sub.trainer), dict(sub.data),
-                              sub.resume, sub.seed)
-        print(f"[prune] {report['method']}: accuracy {report['metrics'].get('accuracy', float('nan')):.4f}, "
-              f"sparsity {report['achieved_sparsity']:.4f}")
-        return report
-    if cfg.command in LLM_METHODS:
-        from fairprune.workflows.lm import run_llm_pruning
-
-        return run_llm_pruning(sub.model, cfg.command, sub.nm or sub.sparsity, sub.output, calib_text=sub.calib_text,
-                               eval_text=sub.eval_text, pairs=sub.pairs, trust_remote_code=sub.trust_remote_code,
-                               seed=sub.seed, **_lm_settings(sub))
-    if cfg.command == "fasp":
-        from fairprune.workflows.heads import run_fasp_cli
-
-        return run_fasp_cli(sub)
-    if cfg.command == "diff-compare":
-        return diff_compare(sub)
-    if cfg.command == "evaluate":
-        from fairprune.workflows.lm import evaluate_lm
-
-        return evaluate_lm(sub.model, sub.output, eval_text=sub.eval_text, pairs=sub.pairs, seqlen=sub.seqlen,
-                           device=sub.device, trust_remote_code=sub.trust_remote_code, seed=sub.seed)
-    if cfg.command == "compare":
-        from fairprune.reporting.report import markdown
-
-        if (sub.ckpt is None) == (sub.model is None):
-            raise UserError("compare needs exactly one of --ckpt (a vision checkpoint) or --model (a causal LM)")
-        if sub.model is not None and sub.alphas:
-            from fairprune.workflows.heads import compare_fasp
-
-            table = compare_fasp(sub.model, sub.methods, sub.alphas, sub.output, gamma=sub.gamma, axis=sub.axis,
-                                 scorer=sub.scorer, prompts=sub.prompts, ppl_text=sub.eval_text,
-                                 max_new_tokens=sub.max_new_tokens, seqlen=sub.seqlen,
-                                 trust_remote_code=sub.trust_remote_code, seed=sub.seed)
-        elif sub.model is not None:
-            from fairprune.workflows.lm import compare_lm
-
-            table = compare_lm(sub.model, sub.methods, sub.sparsities, sub.output, calib_text=sub.calib_text,
-                               eval_text=sub.eval_text, pairs=sub.pairs, trust_remote_code=sub.trust_remote_code,
-                               seed=sub.seed, **_lm_settings(sub))
-        else:
-            from fairprune.workflows.vision import compare_vision
-
-            table = compare_vision(sub.ckpt, sub.methods, [float(s) for s in sub.sparsities], dict(sub.pruning),
-                                   sub.output, dict(sub.trainer), dict(sub.data), sub.seed)
-        print("\n" + markdown(table.set_index("method")) + "\n")
-        print(f"[compare] written to {sub.output}/comparison.csv, comparison.md and plots")
-        return table
-    raise AssertionError(cfg.command)
+# ----------------------------------------------------------------------------------------------
+# Commands whose options are not one workflow's: they choose or build what the workflow gets.
 
 
-def diff_compare(sub) -> Any:
+def compare(methods: list[str], output: str = "runs/compare", ckpt: str | None = None, model: str | None = None,
+            sparsities: list[str | float] = [0.9], alphas: list[float] | None = None,
+            pruning: dict[str, Any] = {}, trainer: TrainerOptions = {}, data: DataOptions = {}, seed: int = 0,
+            lm: LMOptions | None = None, solver: SolverOptions | None = None, heads: HeadOptions | None = None) -> Any:
+    """Compare methods x sparsities from one vision checkpoint (--ckpt) or one causal LM (--model).
+
+    Args:
+        methods: method names (see each kind's list in prune.py vision / fasp / <lm method> --help).
+        output: folder for the runs, comparison.csv / .md, report.json and plots.
+        ckpt: dense vision checkpoint written by train.py.
+        model: causal LM (hub name or folder) instead of --ckpt.
+        sparsities: vision: fractions; LM: fractions or N:M such as "2:4".
+        alphas: head pruning (FASP and baselines) at these α instead of weight sparsities.
+        pruning: vision: IterativePruning settings shared by every method (keep_per_iter, retrain_epochs, ...).
+        trainer: vision: Trainer arguments.
+        data: vision: data overrides (root, batch_size, num_workers, max_samples).
+        seed: vision: the global seed; LM: the calibration sample, pair split and generation seed.
+    """
+    if (ckpt is None) == (model is None):
+        raise UserError("compare needs exactly one of --ckpt (a vision checkpoint) or --model (a causal LM)")
+    if ckpt is not None:
+        from fairprune.workflows.vision import compare_vision
+
+        return compare_vision(ckpt, methods, [float(s) for s in sparsities], dict(pruning), output, dict(trainer),
+                              dict(data), seed)
+    lm = dataclasses.replace(lm, model=model)
+    if alphas:
+        from fairprune.workflows.heads import compare_heads
+
+        return compare_heads(lm, methods, alphas, output, heads)
+    from fairprune.workflows.lm import compare_lm
+
+    return compare_lm(lm, methods, [str(s) for s in sparsities], output, solver)
+
+
+def diff_compare(train_config: str, overrides: list[str] = [], target_fraction: float = 0.005, epochs: int = 3,
+                 finetune_epochs: int = 1, trainer: TrainerOptions = {}, output: str = "runs/diff_compare") -> Any:
     """Build the model and data of a train.py config (without running it) and compare the three
-    ways of fine-tuning them; writes comparison.csv / .md and report.json to ``--output``."""
-    from pathlib import Path
+    ways of fine-tuning them.
 
-    from fairprune.workflows.diff import compare_diff_pruning
-    from fairprune.cli.train import FairpruneCLI
-    from fairprune.reporting.report import markdown, write_json
-
+    Args:
+        train_config: a train.py config (model + data), e.g. configs/text/diffprune_bios.yaml.
+        overrides: extra train.py arguments, e.g. ['--data.bios_size', '400'].
+        target_fraction: share of weights the difference may change.
+        epochs: epochs of full fine-tuning and of gated training.
+        finetune_epochs: epochs of fixed-mask fine-tuning.
+        trainer: Trainer arguments (accelerator, limit_train_batches, ...).
+        output: folder for the diffs, comparison.csv / .md and report.json.
+    """
     import warnings
+
+    from fairprune.cli.lightning_cli import FairpruneCLI
+    from fairprune.workflows.diff import compare_diff_pruning
 
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")  # prune.py's own argv is not train.py's
     cli = FairpruneCLI(model_class=None, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
                        run=False, save_config_callback=None, parser_kwargs={"exit_on_error": False},
-                       args=["--config", sub.train_config, *sub.overrides])
-    out = Path(sub.output)
-    table = compare_diff_pruning(cli.model, cli.datamodule, sub.target_fraction, sub.epochs, sub.finetune_epochs,
-                                 out, dict(sub.trainer))
-    out.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out / "comparison.csv", index_label="method")
-    (out / "comparison.md").write_text(markdown(table) + "\n")
-    write_json(out / "report.json", {"comparison": table.reset_index(names="method").to_dict(orient="records"),
-                                     "target_fraction": sub.target_fraction})
-    print("\n" + markdown(table) + "\n")
-    print(f"[diff-compare] written to {out}/comparison.csv and comparison.md")
-    return table
+                       args=["--config", train_config, *overrides])
+    return compare_diff_pruning(cli.model, cli.datamodule, target_fraction, epochs, finetune_epochs, output, dict(trainer))
+
+
+# ----------------------------------------------------------------------------------------------
+# Building a parser from a signature, and calling the function with what was parsed
+
+
+def _resolve(spec: str) -> Callable:
+    module, _, name = spec.partition(":")
+    return getattr(import_module(module), name)
+
+
+def _hints(function: Callable) -> dict[str, Any]:
+    return typing.get_type_hints(function)
+
+
+def _groups(function: Callable) -> dict[str, type]:
+    """Parameters typed with an option dataclass (``LMOptions | None`` counts as ``LMOptions``)."""
+    groups = {}
+    for name, hint in _hints(function).items():
+        candidates = [hint, *typing.get_args(hint)]
+        found = [c for c in candidates if dataclasses.is_dataclass(c)]
+        if found:
+            groups[name] = found[0]
+    return groups
+
+
+def build_parser(name: str):
+    """The parser of one subcommand."""
+    from jsonargparse import ActionConfigFile, ArgumentParser
+
+    command = COMMANDS[name]
+    function = _resolve(command.function)
+    parser = ArgumentParser(prog=f"prune.py {name}", description=command.summary, exit_on_error=False)
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of these options")
+    groups = _groups(function)
+    skip = set(command.fixed) | set(groups)
+    if name == "vision":
+        from fairprune.callbacks.pruning import IterativePruning
+
+        parser.add_class_arguments(IterativePruning, "pruning", help="pruning method and schedule")
+        skip.add("pruning")
+    parser.add_function_arguments(function, nested_key=None, skip=skip)
+    for group in dict.fromkeys(groups.values()):
+        fields = {f.name for f in dataclasses.fields(group)}
+        parser.add_class_arguments(group, nested_key=None,
+                                   skip=(set(inspect.signature(function).parameters) | set(command.hide)) & fields)
+    return parser
+
+
+def call(name: str, cfg) -> Any:
+    """Run subcommand ``name`` with the parsed ``cfg``."""
+    from jsonargparse import Namespace
+
+    command = COMMANDS[name]
+    function = _resolve(command.function)
+    groups = _groups(function)
+    kwargs: dict[str, Any] = dict(command.fixed)
+    for param in inspect.signature(function).parameters:
+        if param in kwargs:
+            continue
+        if param in groups:
+            group = groups[param]
+            kwargs[param] = group(**{f.name: cfg[f.name] for f in dataclasses.fields(group) if f.name in cfg})
+        elif param in cfg:
+            value = cfg[param]
+            kwargs[param] = value.as_dict() if isinstance(value, Namespace) else value
+    return function(**kwargs)
+
+
+def top_level_parser():
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(prog="prune.py", description="Prune trained models and measure what it costs each group. "
+                            "'prune.py <subcommand> --help' lists a subcommand's options.")
+    commands = parser.add_subcommands(dest="command")
+    for name, command in COMMANDS.items():
+        commands.add_subcommand(name, ArgumentParser(description=command.summary), help=command.summary)
+    return parser
+
+
+def run(args: list[str] | None = None) -> Any:
+    argv = sys.argv[1:] if args is None else list(args)
+    if not argv or argv[0] in ("-h", "--help"):
+        top_level_parser().print_help()
+        if not argv:
+            raise UserError("give a subcommand: " + ", ".join(COMMANDS))
+        return None
+    name = argv[0]
+    if name not in COMMANDS:
+        raise UserError(f"unknown subcommand '{name}'{suggest(name, COMMANDS)}; choose one of {', '.join(COMMANDS)}")
+    cfg = build_parser(name).parse_args(argv[1:])
+    return call(name, cfg)
 
 
 def main(args: list[str] | None = None) -> int:

@@ -1,109 +1,41 @@
-"""The ``train.py`` command line: a LightningCLI with fairprune's defaults.
+"""The ``train.py`` command line: ``fit``, ``validate``, ``test`` or ``predict`` a model from a YAML
+config, a LightningCLI (:mod:`fairprune.cli.lightning_cli`).
 
-- Model and data are chosen in YAML (``class_path`` / ``init_args``); any LightningModule and
-  LightningDataModule of the project (or of the user) works.
-- What the model needs to know about the data (class names, group names) is taken from the
-  data module before the model is built, so configs never repeat it.
-- Every run writes to ``runs/<experiment>/<method>/``: ``config.yaml``, ``metrics.csv``,
-  checkpoints and ``report.json``.
-- A user mistake prints one line, ``error: ...``, and exits with status 2.
+The top-level ``--help`` is answered here without importing Lightning (seconds of start-up); a
+subcommand's help lists every Trainer, model and data option and needs it.
 """
 
 from __future__ import annotations
 
-import inspect
 import sys
-from pkgutil import resolve_name
-from typing import Any, Callable
 
-import torch
-from jsonargparse import ArgumentError
-from lightning.pytorch.cli import LightningCLI
-
-from fairprune.callbacks.progress import ProgressBar
-from fairprune.callbacks.report import ReportWriter
-from fairprune.errors import UserError
-
-TRAINER_DEFAULTS: dict[str, Any] = {
-    "logger": {
-        "class_path": "lightning.pytorch.loggers.CSVLogger",
-        "init_args": {"save_dir": "runs", "name": "default", "version": "dense"},
-    },
+SUBCOMMANDS = {
+    "fit": "Runs the full optimization routine.",
+    "validate": "Perform one evaluation epoch over the validation set.",
+    "test": "Perform one evaluation epoch over the test set.",
+    "predict": "Run inference on your data.",
 }
-
-
-# Facts a data module knows that a model needs: linked when the model takes them and the config
-# leaves them unset.
-LINKED = ("class_names", "group_names", "tokenizer_path", "vocab_size")
-
-
-class FairpruneCLI(LightningCLI):
-    """LightningCLI that links data facts into the model and writes reports."""
-
-    def add_arguments_to_parser(self, parser: Any) -> None:
-        # Always present, whatever callbacks a config lists: every run writes its report.
-        parser.add_lightning_class_args(ReportWriter, "report")
-        parser.add_lightning_class_args(ProgressBar, "progress_bar")
-
-    def before_instantiate_classes(self) -> None:
-        cfg = self.config[self.subcommand] if self.subcommand else self.config
-        data_cfg, model_cfg = cfg.get("data"), cfg.get("model")
-        if not data_cfg or not model_cfg or "class_path" not in data_cfg or "class_path" not in model_cfg:
-            return
-        data_cls = resolve_name(data_cfg.class_path)
-        accepted = inspect.signature(resolve_name(model_cfg.class_path).__init__).parameters
-        wanted = [k for k in LINKED if k in accepted and model_cfg.init_args.get(k) is None]
-        if not wanted:
-            return
-        # Data modules build cheaply (they read no files in __init__), and building one here also
-        # validates the data settings before anything heavy starts.
-        data = data_cls(**dict(data_cfg.get("init_args") or {}))
-        for key in wanted:
-            if hasattr(data, key):
-                value = getattr(data, key)
-                model_cfg.init_args[key] = list(value) if isinstance(value, (list, tuple)) else value
-
-
-def guarded(run: Callable[[], Any]) -> int:
-    """Run ``run``; a user mistake prints one line and gives status 2, a bug keeps its traceback."""
-    try:
-        run()
-    except Exception as err:  # noqa: BLE001 - re-raised unless it is the user's mistake
-        user = user_error_in(err)
-        if user is None:
-            raise
-        print(f"error: {one_line(user)}", file=sys.stderr)
-        return 2
-    return 0
 
 
 def main(args: list[str] | None = None) -> int:
     """Run the training CLI; return the process exit status."""
-    torch.set_float32_matmul_precision("high")
-    return guarded(lambda: FairpruneCLI(
-        model_class=None,
-        datamodule_class=None,
-        subclass_mode_model=True,
-        subclass_mode_data=True,
-        trainer_defaults=TRAINER_DEFAULTS,
-        save_config_kwargs={"overwrite": True},
-        parser_kwargs={"exit_on_error": False},
-        args=args,
-    ))
+    argv = sys.argv[1:] if args is None else list(args)
+    if not argv or argv[0] in ("-h", "--help"):
+        top_level_parser().print_help()
+        return 0 if argv else 2
+    from fairprune.cli.lightning_cli import run
+
+    return run(args)
 
 
-def user_error_in(err: BaseException) -> BaseException | None:
-    """The user mistake behind ``err``: itself, or a UserError it wraps (jsonargparse wraps
-    errors raised while instantiating classes), or a command-line parsing error."""
-    seen: set[int] = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, (UserError, ArgumentError)):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
+def top_level_parser():
+    from jsonargparse import ArgumentParser
 
-
-def one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return text or type(err).__name__
+    parser = ArgumentParser(prog="train.py", description="Train, validate or test a model from a YAML config "
+                            "(python train.py fit --config configs/vision/demo.yaml); "
+                            "'train.py <subcommand> --help' lists every option.")
+    parser.add_argument("--config", help="YAML file with any of the subcommand's options")
+    commands = parser.add_subcommands(dest="subcommand")
+    for name, summary in SUBCOMMANDS.items():
+        commands.add_subcommand(name, ArgumentParser(description=summary), help=summary)
+    return parser

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fairprune.metrics.group import GroupRates
+from fairprune.metrics.group import GroupRates, flatten_result, result_values
 
 STAGES = ("val", "test")
 
@@ -24,7 +24,7 @@ class GroupEvaluation:
         self.stage_metrics = nn.ModuleDict({
             stage: GroupRates(len(class_names), len(group_names), group_names, class_names) for stage in STAGES
         })
-        self.last_results: dict[str, dict[str, float]] = {}
+        self.last_results: dict[str, dict] = {}  # per stage: {"metrics", "groups", "fairness"}
 
     def set_reference(self, accuracy_by_group: dict[str, float], stage: str | None = None) -> None:
         """Store the dense model's per-group accuracy (for one stage, or all); later evaluations
@@ -46,11 +46,12 @@ class GroupEvaluation:
         self._eval_step("test", batch)
 
     def _group_epoch_end(self, stage: str) -> None:
-        results = {k: float(v) for k, v in self.stage_metrics[stage].compute().items()}
+        result = self.stage_metrics[stage].result()
         self.stage_metrics[stage].reset()
-        self.last_results[stage] = results
-        self.log_dict({f"{stage}/{k}": v for k, v in results.items() if k != "acc"})
-        self.log(f"{stage}/acc", results["acc"], prog_bar=True)
+        self.last_results[stage] = result_values(result)
+        flat = {k: float(v) for k, v in flatten_result(result).items()}
+        self.log_dict({f"{stage}/{k}": v for k, v in flat.items() if k != "acc"})
+        self.log(f"{stage}/acc", flat["acc"], prog_bar=True)
 
     def on_validation_epoch_end(self) -> None:
         self._group_epoch_end("val")

@@ -6,8 +6,9 @@ config dict (a 2-layer BERT for tests and offline demos). Like ``VisionClassifie
 accuracy, FPR and FNR per demographic group every validation epoch and keeps
 ``last_results[stage]`` for the report writer.
 
-When Diff-Pruning gates are attached (:mod:`fairprune.pruning.diff`), the training loss carries
-their expected-L0 penalty and the optimizer gets the gates' ``log α`` as a separate group.
+Loss terms and optimizer groups that a callback registers (the Diff-Pruning callback's L0
+penalty and ``log α`` group, see :mod:`fairprune.models.terms`) join the training loss and the
+optimizer; the model itself knows no pruning method.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from torch import nn
 from fairprune.errors import UserError
 from fairprune.hub import build_model, load_model, load_tokenizer, resolve_name
 from fairprune.models.grouped import GroupEvaluation
-from fairprune.pruning.diff import attach_gates_for, l0_penalty, param_groups
+from fairprune.models.terms import TrainingTerms
+from fairprune.pruning.diff import attach_gates_for
 
 __all__ = ["SequenceClassifier", "tiny_bert_config"]
 
@@ -41,7 +43,7 @@ def _unpack(batch: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch
     return tuple(batch)  # type: ignore[return-value]
 
 
-class SequenceClassifier(GroupEvaluation, L.LightningModule):
+class SequenceClassifier(GroupEvaluation, TrainingTerms, L.LightningModule):
     """Text classifier whose every evaluation is broken down by demographic group.
 
     Args:
@@ -87,6 +89,7 @@ class SequenceClassifier(GroupEvaluation, L.LightningModule):
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.loss = nn.CrossEntropyLoss()
         self.init_group_metrics(self.class_names, self.group_names)
+        self.init_training_terms()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return self.model(input_ids=input_ids, attention_mask=attention_mask).logits
@@ -99,11 +102,8 @@ class SequenceClassifier(GroupEvaluation, L.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         ids, mask, y, _ = _unpack(batch)
         task = self.loss(self(ids, mask), y)
-        penalty = l0_penalty(self.model).to(task.device)
         self.log("train/loss", task, prog_bar=True, on_step=True, on_epoch=True, batch_size=len(y))
-        if penalty.requires_grad:
-            self.log("train/l0_penalty", penalty, on_step=False, on_epoch=True, batch_size=len(y))
-        return task + penalty
+        return self.with_loss_terms(task, len(y))
 
     def _eval_step(self, stage: str, batch: Any) -> None:
         ids, mask, y, g = _unpack(batch)
@@ -112,7 +112,7 @@ class SequenceClassifier(GroupEvaluation, L.LightningModule):
         self.update_group_metrics(stage, logits, y, g)
 
     def configure_optimizers(self) -> Any:
-        optimizer = self.optimizer_factory(param_groups(self))
+        optimizer = self.optimizer_factory(self.optimizer_groups())
         if self.scheduler_factory is None:
             return optimizer
         return {"optimizer": optimizer, "lr_scheduler": self.scheduler_factory(optimizer)}

@@ -27,6 +27,11 @@ def _torchvision_names() -> list[str]:
     return torchvision.models.list_models(module=torchvision.models)
 
 
+def _is_timm(model: nn.Module) -> bool:
+    """A timm model: it splits its forward into ``forward_features`` and ``forward_head``."""
+    return callable(getattr(model, "forward_features", None)) and callable(getattr(model, "forward_head", None))
+
+
 def _last_linear(model: nn.Module) -> tuple[str, nn.Linear]:
     """The classifier layer: the last ``nn.Linear`` in registration order."""
     found = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -41,7 +46,8 @@ def build_backbone(name: str, num_classes: int, pretrained: bool = False, **kwar
     ``name`` may carry a source prefix (``torchvision:resnet34``, ``timm:convnext_atto``); without
     one, torchvision's builder is used when it knows the name (the FairGRAPE paper's ResNet-34 and
     MobileNet-V2 are torchvision's), else timm's. Weights are random unless ``pretrained`` is set,
-    in which case ImageNet weights are loaded and only the classifier is replaced. ``kwargs`` go
+    in which case ImageNet weights are loaded and only the classifier is replaced (timm builds its
+    own head for ``num_classes``; a torchvision model gets a new last ``nn.Linear``). ``kwargs`` go
     to the builder (e.g. ``width_mult=0.5`` for torchvision's MobileNet-V2).
     """
     source, _, bare = name.rpartition(":")
@@ -110,7 +116,13 @@ class VisionClassifier(GroupEvaluation, L.LightningModule):
 
     @torch.no_grad()
     def embed(self, x: torch.Tensor) -> torch.Tensor:
-        """Penultimate features (the classifier's input), used to cluster samples into groups."""
+        """Penultimate features (the classifier's input), used to cluster samples into groups.
+
+        timm models give them themselves (``forward_head(..., pre_logits=True)``); for torchvision
+        models they are the input of the last ``nn.Linear``, caught by a forward pre-hook.
+        """
+        if _is_timm(self.net):
+            return self.net.forward_head(self.net.forward_features(x), pre_logits=True).flatten(1)
         _, head = _last_linear(self.net)
         captured: list[torch.Tensor] = []
         handle = head.register_forward_pre_hook(lambda _m, args: captured.append(args[0].flatten(1)))

@@ -333,18 +333,31 @@ def greedy_select(importance: Any, quota: int) -> torch.Tensor:
 
 
 def select_layer_mask(
-    importance: torch.Tensor, current_mask: torch.Tensor, keep_fraction: float
-) -> torch.Tensor:
+    importance: torch.Tensor,
+    current_mask: torch.Tensor,
+    keep_fraction: float | None = None,
+    *,
+    quota: int | None = None,
+    report: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, dict[str, Any]]:
     """One FairGRAPE step for one layer: the new keep-mask, a subset of ``current_mask``.
 
     Args:
         importance: [K, *weight_shape] importance of every weight for each of K groups.
-        current_mask: [*weight_shape] bool, True where the weight is still alive.
+        current_mask: [*weight_shape] bool, True where the weight is still alive (the
+            candidates; a pruned weight is never revived).
         keep_fraction: fraction of the alive weights to keep (see :func:`layer_quota`).
+        quota: instead of ``keep_fraction``, the number of weights to keep, in
+            ``[0, alive]`` (the pruning callback's per-layer density target).
+        report: also return :func:`group_share_report` of the step (targets over the alive
+            weights, shares over the kept ones).
 
     Returns:
-        bool tensor [*weight_shape] on ``current_mask``'s device.
+        bool tensor [*weight_shape] on ``current_mask``'s device; with ``report``, the pair
+        ``(mask, report)``.
     """
+    if (keep_fraction is None) == (quota is None):
+        raise ValueError("give exactly one of keep_fraction or quota")
     importance = torch.as_tensor(importance)
     current_mask = torch.as_tensor(current_mask)
     if current_mask.dtype != torch.bool:
@@ -356,13 +369,18 @@ def select_layer_mask(
         )
     flat_mask = current_mask.detach().reshape(-1).cpu()
     candidates = flat_mask.nonzero().squeeze(1)
-    quota = layer_quota(candidates.numel(), keep_fraction)
+    if quota is None:
+        quota = layer_quota(candidates.numel(), keep_fraction)
     flat_importance = importance.detach().reshape(importance.shape[0], -1).cpu()
     if candidates.numel() < flat_mask.numel():  # a dense layer needs no gathered copy
         flat_importance = flat_importance[:, candidates]
+    chosen = greedy_select(flat_importance, quota)
     new_mask = torch.zeros_like(flat_mask)
-    new_mask[candidates[greedy_select(flat_importance, quota)]] = True
-    return new_mask.reshape(current_mask.shape).to(current_mask.device)
+    new_mask[candidates[chosen]] = True
+    new_mask = new_mask.reshape(current_mask.shape).to(current_mask.device)
+    if report:
+        return new_mask, group_share_report(flat_importance, chosen)
+    return new_mask
 
 
 def group_share_report(

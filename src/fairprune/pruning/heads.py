@@ -8,6 +8,9 @@
   attention module's head-count attributes, so the pruned model computes exactly what the gated
   model computes.
 
+Where a family keeps its heads (attention module, q/k/v projections, head-count attributes) is
+part of its row in :data:`fairprune.families.FAMILIES`; this module has no table of its own.
+
 Saving a pruned model. ``from_pretrained`` builds every layer with the config's one head count,
 and most families derive ``head_dim`` from ``hidden_size // heads``, so a smaller head count
 cannot be written into their config at all. ``remove_heads(..., loadable=True)`` (the default)
@@ -43,37 +46,6 @@ from fairprune.errors import UserError
 from fairprune.families import Family, family_of, linear_weight
 
 Head = tuple[int, int]  # (layer, head)
-
-
-@dataclass(frozen=True)
-class HeadLayout:
-    """Where one family keeps the per-head pieces (paths relative to one block / the attention module)."""
-
-    attention: str  # the attention module, relative to a block
-    qkv: tuple[str, ...]  # (q, k, v) projections; a single entry is a fused [q | k | v] layer
-    counts: tuple[str, ...] = ()  # attributes holding the number of query heads
-    widths: tuple[str, ...] = ()  # attributes holding query heads × head_dim
-    groups: str | None = None  # attribute holding query heads per key/value head
-    shrinkable: bool = False  # config states head_dim apart from hidden_size: counts may shrink
-
-
-# Keyed by ``Family.name`` in fairprune.families.
-LAYOUTS: dict[str, HeadLayout] = {
-    "gpt2": HeadLayout("attn", ("c_attn",), counts=("num_heads",), widths=("split_size",)),
-    "gpt-neo": HeadLayout("attn.attention", ("q_proj", "k_proj", "v_proj"), counts=("num_heads",)),
-    "opt": HeadLayout("self_attn", ("q_proj", "k_proj", "v_proj"), counts=("num_heads",)),
-    "llama": HeadLayout("self_attn", ("q_proj", "k_proj", "v_proj"), groups="num_key_value_groups", shrinkable=True),
-    "bert": HeadLayout(
-        "attention.self", ("query", "key", "value"), counts=("num_attention_heads",), widths=("all_head_size",)
-    ),
-}
-
-
-def layout_of(family: Family) -> HeadLayout:
-    """The head layout of a family; a family without one raises :class:`UserError`."""
-    if family.name not in LAYOUTS:
-        raise UserError(f"head pruning does not know family {family.name!r}; add a row to fairprune.pruning.heads.LAYOUTS")
-    return LAYOUTS[family.name]
 
 
 def all_heads(model: nn.Module) -> list[Head]:
@@ -215,7 +187,6 @@ class _LayerPlan:
 def remove_heads(model: nn.Module, heads: Iterable[Head], loadable: bool = True) -> HeadRemoval:
     """Prune ``heads`` from ``model`` in place (see the module docstring for ``loadable``)."""
     family = family_of(model)
-    layout = layout_of(family)
     config = model.config
     blocks = family.block_list(model)
     n_heads, n_kv, head_dim = family.num_heads(config), family.num_kv_heads(config), family.head_dim(config)
@@ -224,17 +195,17 @@ def remove_heads(model: nn.Module, heads: Iterable[Head], loadable: bool = True)
         if not (0 <= layer < len(blocks) and 0 <= head < n_heads):
             raise UserError(f"head ({layer}, {head}) does not exist; the model has {len(blocks)} layers × {n_heads} heads")
         by_layer[layer].add(head)
-    plans = _plan(by_layer, n_heads, n_kv, shrink=not loadable or layout.shrinkable, uniform=loadable)
+    plans = _plan(by_layer, n_heads, n_kv, shrink=not loadable or family.heads_shrinkable, uniform=loadable)
     report = HeadRemoval()
     for layer, (block, plan) in enumerate(zip(blocks, plans)):
-        _apply(family, layout, block, plan, n_heads, n_kv, head_dim)
+        _apply(family, block, plan, n_heads, n_kv, head_dim)
         report.removed += [(layer, h) for h in sorted(by_layer[layer]) if h not in plan.q_keep]
         report.zeroed += [(layer, h) for h in plan.zero_q]
         report.kv_removed += [(layer, g) for g in range(n_kv) if g not in plan.kv_keep]
         report.heads_per_layer.append(len(plan.q_keep))
-    if loadable and layout.shrinkable:
+    if loadable and family.heads_shrinkable:
         # Every layer now has the same counts (the plan pads them), which the config can state.
-        config.head_dim = head_dim
+        setattr(config, family.head_dim_key, head_dim)
         setattr(config, family.heads_key, len(plans[0].q_keep))
         if family.kv_heads_key:
             setattr(config, family.kv_heads_key, len(plans[0].kv_keep))
@@ -275,12 +246,11 @@ def _plan(by_layer: list[set[int]], n_heads: int, n_kv: int, shrink: bool, unifo
     return plans
 
 
-def _apply(family: Family, layout: HeadLayout, block: nn.Module, plan: _LayerPlan,
-           n_heads: int, n_kv: int, head_dim: int) -> None:
+def _apply(family: Family, block: nn.Module, plan: _LayerPlan, n_heads: int, n_kv: int, head_dim: int) -> None:
     """Zero the pruned heads that stay, then slice the rest out of q/k/v and the output projection."""
-    attention = block.get_submodule(layout.attention)
+    attention = family.attention_module(block)
     out_proj = family.attention_out(block)
-    projections = [attention.get_submodule(p) for p in layout.qkv]
+    projections = family.qkv_layers(block)
     q_rows, kv_rows = _rows(plan.q_keep, head_dim), _rows(plan.kv_keep, head_dim)
     if len(projections) == 1:  # fused [q | k | v]: offsets of the k and v parts
         q_width, kv_width = n_heads * head_dim, n_kv * head_dim
@@ -299,12 +269,12 @@ def _apply(family: Family, layout: HeadLayout, block: nn.Module, plan: _LayerPla
         _keep(v, kv_rows, dim=0)
     linear_weight(out_proj)[:, _rows(plan.zero_q, head_dim)] = 0
     _keep(out_proj, q_rows, dim=1)
-    for name in layout.counts:
+    for name in family.head_counts:
         setattr(attention, name, len(plan.q_keep))
-    for name in layout.widths:
+    for name in family.head_widths:
         setattr(attention, name, len(plan.q_keep) * head_dim)
-    if layout.groups:
-        setattr(attention, layout.groups, len(plan.q_keep) // len(plan.kv_keep))
+    if family.head_groups:
+        setattr(attention, family.head_groups, len(plan.q_keep) // len(plan.kv_keep))
 
 
 def _rows(heads: list[int], head_dim: int) -> list[int]:
@@ -340,14 +310,12 @@ def head_weight_norms(model: nn.Module) -> torch.Tensor:
     """``[layers, heads]`` L2 norm of each head's weights: its q rows, its key/value head's k/v rows
     (shared under grouped-query attention) and its columns of the output projection."""
     family = family_of(model)
-    layout = layout_of(family)
     config = model.config
     n_heads, n_kv, head_dim = family.num_heads(config), family.num_kv_heads(config), family.head_dim(config)
     group = n_heads // n_kv
     norms = []
     for block in family.block_list(model):
-        attention = block.get_submodule(layout.attention)
-        weights = [linear_weight(attention.get_submodule(p)).float() for p in layout.qkv]
+        weights = [linear_weight(layer).float() for layer in family.qkv_layers(block)]
         q, k, v = weights if len(weights) == 3 else weights[0].split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim])
         out = linear_weight(family.attention_out(block)).float()
         sq = lambda w: w.pow(2).view(-1, head_dim, w.shape[-1]).sum((1, 2))  # noqa: E731 [heads]

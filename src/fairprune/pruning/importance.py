@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from fairprune.errors import UserError
 from fairprune.pruning.masks import Target
+from fairprune.pruning.select import magnitude
 
 Scores = dict[str, torch.Tensor]
 
@@ -42,8 +43,9 @@ def _effective(targets: list[Target]) -> list[torch.Tensor]:
 
 
 def magnitude_scores(targets: list[Target]) -> Scores:
-    """|w| (WS: weight selection; per-layer in the pruning callback)."""
-    return {t.name: w.abs() for t, w in zip(targets, _effective(targets))}
+    """|w| (WS: weight selection; per-layer in the pruning callback), the score LM magnitude
+    pruning uses too (:func:`fairprune.pruning.select.magnitude`)."""
+    return {t.name: magnitude(t.weight) for t in targets}
 
 
 def random_scores(targets: list[Target], seed: int) -> Scores:

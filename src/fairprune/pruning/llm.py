@@ -23,7 +23,8 @@ from fairprune.pruning import registry
 from fairprune.pruning.calibration import make_inputs, run_layerwise
 from fairprune.pruning.masks import Target, achieved_sparsity, sparsity_table
 from fairprune.pruning.sparsegpt import Hessian, PairedHessian, check_nm, check_sparsity, sparsegpt_solve
-from fairprune.pruning.wanda import InputNorms, nm_mask, row_mask, wanda_mask
+from fairprune.pruning.select import magnitude, n_m, top_k
+from fairprune.pruning.wanda import InputNorms, wanda_mask
 
 
 
@@ -153,17 +154,14 @@ def sparsity_by_layer(model: nn.Module, family: Family) -> dict[str, float]:
 
 @torch.no_grad()
 def _prune_magnitude(model, family: Family, sparsity, nm, device, progress: bool) -> None:
-    """Per layer, the lowest ``|W|`` (layer-wide for unstructured, per row for N:M)."""
+    """Per layer, prune the lowest ``|W|``: ``floor(sparsity·numel)`` layer-wide for unstructured
+    sparsity, N of every M consecutive input columns of each row for N:M."""
     for block in tqdm(family.block_list(model), desc="magnitude", disable=not progress, unit="block"):
         for layer in family.block_linears(block).values():
             W = linear_weight(layer).to(device)
-            score = W.abs().float()
-            if nm is not None:
-                mask = nm_mask(score, *nm)
-            else:
-                # Layer-wide threshold: rank the flattened layer as one row.
-                mask = row_mask(score.reshape(1, -1), sparsity).view_as(W)
-            set_linear_weight(layer, W.masked_fill(mask, 0))
+            score = magnitude(W)
+            keep = n_m(score, *nm) if nm is not None else top_k(score, W.numel() - int(W.numel() * sparsity))
+            set_linear_weight(layer, W.masked_fill(~keep, 0))
 
 
 def _validate(model, family, method, sparsity, nm, calib_ids, pairs, percdamp, blocksize) -> None:

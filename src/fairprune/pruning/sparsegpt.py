@@ -4,7 +4,8 @@ Given calibration inputs ``X`` of a layer, the solver prunes ``W`` ([out, in]) c
 and, after each column, spreads that column's pruning error over the columns not yet visited,
 using the inverse Hessian of the layer-wise reconstruction loss ``‖WX − ŴX‖²``. It follows the
 reference implementation (Frantar & Alistarh, 2023): columns in blocks of 128, the mask chosen
-by ``w² / diag(Hinv)²`` (per block for unstructured sparsity, per M columns for N:M), error
+by ``w² / diag(Hinv)²`` (per block for unstructured sparsity, per M columns for N:M; the
+choice itself is :func:`fairprune.pruning.select.top_k` / :func:`~fairprune.pruning.select.n_m`), error
 feedback inside a block and one lazy update of the remaining columns after each block.
 
 Two Hessians feed the same solver:
@@ -30,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from fairprune.errors import UserError
+from fairprune.pruning.select import n_m, top_k
 
 
 def check_sparsity(sparsity: float) -> None:
@@ -181,16 +183,16 @@ def sparsegpt_solve(
         W1, Hinv1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
         d = Hinv1.diagonal()
         Err1 = torch.zeros_like(W1)
+        # mask1: True = prune (the complement of the keep masks from fairprune.pruning.select).
         if nm is None:
             # Cumulative floor so the layer total is exact whatever the block widths.
             k = math.floor(sparsity * rows * i2) - math.floor(sparsity * rows * i1)
-            mask1 = _lowest(W1**2 / d**2, k)
+            mask1 = ~top_k(W1**2 / d**2, W1.numel() - k)
         else:
             mask1 = torch.zeros_like(W1, dtype=torch.bool)
         for i in range(i2 - i1):
             if nm is not None and i % m == 0:
-                score = W1[:, i : i + m] ** 2 / d[i : i + m] ** 2
-                mask1[:, i : i + m].scatter_(1, score.topk(n, dim=1, largest=False).indices, True)
+                mask1[:, i : i + m] = ~n_m(W1[:, i : i + m] ** 2 / d[i : i + m] ** 2, n, m)
             w = W1[:, i]
             q = w.masked_fill(mask1[:, i], 0)
             err = (w - q) / d[i]
@@ -200,11 +202,3 @@ def sparsegpt_solve(
         W[:, i1:i2] = W1
         W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # lazy update of the columns after this block
     return W
-
-
-def _lowest(score: torch.Tensor, k: int) -> torch.Tensor:
-    """Boolean mask of the ``k`` smallest entries of ``score``."""
-    mask = torch.zeros(score.numel(), dtype=torch.bool, device=score.device)
-    if k > 0:
-        mask[score.flatten().topk(k, largest=False).indices] = True
-    return mask.view_as(score)

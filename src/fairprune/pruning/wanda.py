@@ -3,9 +3,8 @@
 The score of weight ``W_ij`` is ``|W_ij| · ‖X_j‖₂``, the norm taken over every calibration
 token reaching input column ``j``. Weights compete only within their output row (unstructured:
 the lowest ``floor(sparsity·in)`` per row; N:M: the lowest N of every M consecutive columns).
-Surviving weights are not updated.
-
-The mask helpers :func:`row_mask` and :func:`nm_mask` are shared with magnitude pruning.
+Surviving weights are not updated. The masks come from :mod:`fairprune.pruning.select`
+(:func:`~fairprune.pruning.select.top_k_per_row`, :func:`~fairprune.pruning.select.n_m`).
 """
 
 from __future__ import annotations
@@ -13,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from fairprune.pruning.select import n_m, top_k_per_row
 from fairprune.pruning.sparsegpt import check_nm, check_sparsity
 
 
@@ -36,29 +36,14 @@ class InputNorms:
         return sq.sqrt()
 
 
-def row_mask(score: torch.Tensor, sparsity: float) -> torch.Tensor:
-    """True for the ``floor(sparsity·cols)`` lowest scores of every row."""
-    check_sparsity(sparsity)
-    k = int(score.shape[1] * sparsity)
-    mask = torch.zeros_like(score, dtype=torch.bool)
-    if k > 0:
-        mask.scatter_(1, score.topk(k, dim=1, largest=False).indices, True)
-    return mask
-
-
-def nm_mask(score: torch.Tensor, n: int, m: int) -> torch.Tensor:
-    """True for the ``n`` lowest scores of every ``m`` consecutive columns of every row."""
-    rows, cols = score.shape
-    check_nm((n, m), cols)
-    groups = score.reshape(rows, cols // m, m)
-    mask = torch.zeros_like(groups, dtype=torch.bool)
-    mask.scatter_(2, groups.topk(n, dim=2, largest=False).indices, True)
-    return mask.reshape(rows, cols)
-
-
 def wanda_mask(
     W: torch.Tensor, norms: torch.Tensor, sparsity: float | None = None, nm: tuple[int, int] | None = None
 ) -> torch.Tensor:
-    """Mask (True = prune) of ``W`` [out, in] given input-column norms [in]."""
+    """Mask (True = prune) of ``W`` [out, in] given input-column norms [in]: per row the lowest
+    ``floor(sparsity·in)`` scores, or with ``nm=(N, M)`` the lowest N of every M columns."""
     score = W.abs().float() * norms.to(W.device).float().unsqueeze(0)
-    return nm_mask(score, *nm) if nm is not None else row_mask(score, sparsity)
+    if nm is not None:
+        check_nm(nm, score.shape[1])
+        return ~n_m(score, *nm)
+    check_sparsity(sparsity)
+    return ~top_k_per_row(score, score.shape[1] - int(score.shape[1] * sparsity))

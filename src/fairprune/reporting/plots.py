@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import pandas as pd
 
@@ -85,3 +85,56 @@ def plot_group_shares(shares: pd.DataFrame, path: str | os.PathLike) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return Path(path)
+
+
+def plot_head_heatmap(impact, axes: Sequence[str], protected: Sequence[tuple[int, int]] = (),
+                      removed: Sequence[tuple[int, int]] = (), path: str | os.PathLike = "heads_heatmap.png") -> Path:
+    """Layer × head map of each head's bias impact, ``impact[layer, head]`` = bias with the head
+    removed − unpruned bias, summed over ``axes`` (FASP's head scores).
+
+    Blue heads lower the bias when removed, red ones raise it; ``P`` marks protected heads and
+    ``×`` removed ones (``(layer, head)`` pairs).
+    """
+    import numpy as np
+    from matplotlib.colors import TwoSlopeNorm
+
+    plt = _plt()
+    grid = np.asarray(impact, dtype=float)
+    layers, n = grid.shape
+    span = max(float(abs(grid).max()), 1e-12)
+    fig, ax = plt.subplots(figsize=(1 + 0.45 * n, 1 + 0.4 * layers))
+    image = ax.imshow(grid, cmap="RdBu_r", norm=TwoSlopeNorm(0.0, -span, span), aspect="auto")
+    for marks, symbol in ((protected, "P"), (removed, "×")):
+        for layer, head in marks:
+            ax.text(head, layer, symbol, ha="center", va="center", fontsize=8)
+    ax.set(xlabel="head", ylabel="layer", title=f"bias impact of removing each head ({' + '.join(axes)})")
+    fig.colorbar(image, ax=ax, label="Δ bias")
+    return _save(fig, path)
+
+
+def plot_axis_correlation(bias: pd.DataFrame, path: str | os.PathLike = "axis_correlation.png") -> Path:
+    """Pearson correlation between axes of the heads' bias scores (``bias``: one row per head,
+    one column per axis)."""
+    plt = _plt()
+    corr = bias.corr(method="pearson")
+    names = [str(c) for c in bias.columns]
+    fig, ax = plt.subplots(figsize=(1.5 + 1.1 * len(names), 1 + 1.0 * len(names)))
+    image = ax.imshow(corr.to_numpy(), cmap="coolwarm", vmin=-1, vmax=1)
+    for i in range(len(names)):
+        for j in range(len(names)):
+            ax.text(j, i, f"{corr.iat[i, j]:.2f}", ha="center", va="center", fontsize=8)
+    ax.set_xticks(range(len(names)), names, rotation=45, ha="right")
+    ax.set_yticks(range(len(names)), names)
+    ax.set_title("head bias scores: Pearson r between axes")
+    fig.colorbar(image, ax=ax)
+    return _save(fig, path)
+
+
+def _save(fig, path: str | os.PathLike) -> Path:
+    """Write ``fig`` (tight layout, 120 dpi), creating the folder, and close it."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    _plt().close(fig)
+    return path

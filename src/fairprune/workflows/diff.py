@@ -13,6 +13,7 @@ from torch import nn
 
 from fairprune.callbacks.diff_pruning import DiffPruning, root_model
 from fairprune.pruning import diff
+from fairprune.reporting.compare import write_comparison
 
 
 def _trainer(max_epochs: int, callbacks: list[L.Callback], **kwargs: Any) -> L.Trainer:
@@ -25,9 +26,9 @@ def _row(method: str, module: L.LightningModule, trainer: L.Trainer, datamodule:
          changed: float, stored: int, full: int) -> dict[str, Any]:
     trainer.validate(module, datamodule=datamodule, verbose=False)
     results = module.last_results["val"]
-    row = {"method": method, "accuracy": results["acc"]}
-    row.update({f"acc/{g}": results[f"acc/{g}"] for g in module.group_names if f"acc/{g}" in results})
-    row.update({"acc_gap": results["acc_gap"], "fraction_changed": changed, "stored_bytes": stored, "full_bytes": full})
+    row = {"method": method, "accuracy": results["metrics"]["accuracy"]}
+    row.update({f"acc/{g}": v["accuracy"] for g, v in results["groups"].items() if "accuracy" in v})
+    row.update({"acc_gap": results["fairness"]["acc_gap"], "fraction_changed": changed, "stored_bytes": stored, "full_bytes": full})
     return row
 
 
@@ -48,7 +49,8 @@ def compare_diff_pruning(module: L.LightningModule, datamodule: L.LightningDataM
     copied for each method). Full fine-tuning and Diff-Pruning's gated stage train ``epochs``; both
     fixed-mask stages fine-tune ``finetune_epochs``. Columns: accuracy, per-group accuracy, the
     accuracy gap, the fraction of the gated weights changed, and the stored size against a full
-    checkpoint. Diffs are written under ``output`` (a temporary folder when unset).
+    checkpoint. Diffs and the comparison (``comparison.csv`` / ``.md``, ``report.json``) are written
+    to ``output`` (diffs only, to a temporary folder, when unset).
     """
     import tempfile
 
@@ -94,4 +96,6 @@ def compare_diff_pruning(module: L.LightningModule, datamodule: L.LightningDataM
     trainer.fit(gated, datamodule=datamodule)
     saved = diff.save_diff(root_model(gated), out / "diff-pruning", str(base_dir))
     rows.append(_row("diff-pruning", gated, trainer, datamodule, diff.nonzero_fraction(root_model(gated)), saved["stored_bytes"], full))
+    if output is not None:
+        write_comparison(rows, out, {"target_fraction": target_fraction})
     return pd.DataFrame(rows).set_index("method")

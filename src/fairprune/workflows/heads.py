@@ -3,65 +3,81 @@
 
 from __future__ import annotations
 
+import shutil
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from fairprune.data.lm import read_text
+from fairprune.data.prompts import read_prompts
 from fairprune.errors import UserError
-from fairprune.hub import load_model, load_tokenizer
-from fairprune.reporting.report import markdown, write_json
+from fairprune.hub import load_model, load_tokenizer, resolve_device
+from fairprune.pruning import registry
+from fairprune.reporting.compare import write_comparison
+from fairprune.reporting.runs import write_head_run
+from fairprune.workflows.options import HeadOptions, LMOptions
 
 
-def run_fasp_cli(args) -> dict[str, Any]:
-    """``prune.py fasp``: score heads, select, remove, save, and write ``report.json``."""
+def _check_ratio(name: str, value: float | None) -> None:
+    if value is not None and not 0.0 <= value <= 1.0:
+        raise UserError(f"--{name} must be in [0, 1], got {value}")
 
-    from fairprune.data.prompts import read_prompts
+
+def _run(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alpha: float, output: Path) -> dict[str, Any]:
+    """Load the model, score / select / remove heads with ``method`` at ``alpha``; write the pruned
+    model, its plots and ``report.json`` into ``output``."""
     from fairprune.pruning.fasp import Generation, run_fasp
 
-    for name in ("alpha",) + (("gamma",) if args.gamma is not None else ()):
-        if not 0.0 <= args[name] <= 1.0:
-            raise UserError(f"--{name} must be in [0, 1], got {args[name]}")
-    prompts = read_prompts(args.prompts) if args.prompts else None
-    tokenizer = load_tokenizer(args.model, args.trust_remote_code)
-    model = load_model(args.model, "causal-lm", args.trust_remote_code)
-    ppl_text = read_text(args.ppl_text) if args.ppl_text else None
-    eval_text = read_text(args.eval_text) if args.eval_text else None
-    report = run_fasp(model, tokenizer, prompts, ppl_text, args.method, args.gamma, args.alpha, args.axis, args.scorer,
-                      args.output, eval_text=eval_text, generation=Generation(max_new_tokens=args.max_new_tokens, seed=args.seed),
-                      seqlen=args.seqlen, seed=args.seed)
-    report.setdefault("model", args.model)
-    write_json(Path(args.output) / "report.json", report)
-    fairness = report.get("fairness", {}).get("bias", {})
-    print(f"[fasp] {args.method}: removed {len(report.get('heads_removed', []))} heads; perplexity "
-          f"{report['reference']['metrics']['perplexity']:.2f} → {report['metrics']['perplexity']:.2f}; bias {fairness}; "
-          f"written to {args.output}")
+    model = load_model(lm.model, "causal-lm", lm.trust_remote_code).to(resolve_device(lm.device))
+    prompts = read_prompts(heads.prompts) if heads.prompts else None
+    scoring_text = read_text(lm.calib_text) if lm.calib_text else None
+    eval_text = read_text(lm.eval_text) if lm.eval_text else None
+    run = run_fasp(model, tokenizer, prompts, scoring_text, method, heads.gamma, alpha, heads.axis, heads.scorer,
+                   output, eval_text=eval_text, generation=Generation(max_new_tokens=heads.max_new_tokens, seed=lm.seed),
+                   seqlen=lm.seqlen, seed=lm.seed)
+    run.report["model"] = lm.model
+    config = {"method": method, **asdict(lm), **asdict(heads), "alpha": alpha}
+    write_head_run(output, model.cpu(), tokenizer, run, config)
+    return run.report
+
+
+def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = HeadOptions()) -> dict[str, Any]:
+    """FASP: remove the attention heads that most raise toxicity disparity, protecting the heads
+    perplexity needs (or a baseline's choice). Writes the pruned model and ``report.json``,
+    ``head_scores.csv`` and plots into ``output``.
+
+    Args:
+        lm: the model and its texts (calib_text: the text heads are scored on; eval_text: the reported perplexity).
+        output: folder for the pruned model, head_scores.csv, report.json and plots.
+        method: fasp, fairness, performance, magnitude, gradient or random.
+        heads: what to protect and remove, and how bias is measured.
+    """
+    registry.get(method, "heads")
+    _check_ratio("alpha", heads.alpha)
+    _check_ratio("gamma", heads.gamma)
+    tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
+    report = _run(lm, tokenizer, method, heads, heads.alpha, Path(output))
+    bias = report.get("fairness", {}).get("bias", {})
+    print(f"[fasp] {method}: removed {len(report.get('heads_removed', []))} heads; perplexity "
+          f"{report['reference']['metrics']['perplexity']:.2f} → {report['metrics']['perplexity']:.2f}; bias {bias}; "
+          f"written to {output}")
     return report
 
 
-def compare_fasp(model: str, methods: list[str], alphas: list[float], output: str | Path, *, gamma: float | None = 0.3,
-                 axis: str = "gender_and_sex", scorer: str = "lexicon", prompts: str | None = None,
-                 ppl_text: str | None = None, max_new_tokens: int = 20, seqlen: int = 128,
-                 trust_remote_code: bool = False, seed: int = 0) -> pd.DataFrame:
+def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output: str,
+                  heads: HeadOptions = HeadOptions()) -> pd.DataFrame:
     """FASP and its baselines at several α from one model: heads are scored once (the first run
     writes ``head_scores.csv``; later runs resume from a copy of it), one table of bias and
     perplexity in ``output``."""
-    import shutil
-
-    from fairprune.data.prompts import read_prompts
-    from fairprune.pruning import registry
-    from fairprune.pruning.fasp import Generation, run_fasp
-
     for method in methods:
         registry.get(method, "heads")
-    for a in alphas:
-        if not 0.0 <= a <= 1.0:
-            raise UserError(f"alpha must be in [0, 1], got {a}")
-    table_prompts = read_prompts(prompts) if prompts else None
-    text = read_text(ppl_text) if ppl_text else None
-    tokenizer = load_tokenizer(model, trust_remote_code)
+    for alpha in alphas:
+        _check_ratio("alphas", alpha)
+    _check_ratio("gamma", heads.gamma)
+    tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
     out, rows, shared = Path(output), [], None
     start = time.perf_counter()
     for method in methods:
@@ -72,10 +88,7 @@ def compare_fasp(model: str, methods: list[str], alphas: list[float], output: st
                 for name in ("head_scores.csv", "head_scores.json"):
                     shutil.copy(shared / name, run / name)
             print(f"[compare] {run.name} ...", flush=True)
-            report = run_fasp(load_model(model, "causal-lm", trust_remote_code), tokenizer, table_prompts, text, method, gamma, alpha,
-                              axis, scorer, run, generation=Generation(max_new_tokens=max_new_tokens, seed=seed),
-                              seqlen=seqlen, seed=seed)
-            write_json(run / "report.json", report)
+            report = _run(lm, tokenizer, method, heads, alpha, run)
             if (run / "head_scores.csv").exists() and shared is None:
                 shared = run
             if not rows:
@@ -85,9 +98,4 @@ def compare_fasp(model: str, methods: list[str], alphas: list[float], output: st
             rows.append({"method": method, "alpha": alpha, "gamma": report["gamma"] if method == "fasp" else None,
                          "heads_removed": len(report["heads_removed"]), "perplexity": report["metrics"]["perplexity"],
                          **{f"bias/{k}": v for k, v in report["fairness"]["bias"].items()}})
-    table = pd.DataFrame(rows)
-    out.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out / "comparison.csv", index=False)
-    (out / "comparison.md").write_text(markdown(table.set_index("method")) + "\n")
-    write_json(out / "report.json", {"comparison": rows, "seconds": {"total": time.perf_counter() - start}})
-    return table
+    return write_comparison(rows, out, {"seconds": {"total": time.perf_counter() - start}})

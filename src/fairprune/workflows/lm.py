@@ -9,6 +9,7 @@ C4 shards as a text file), ``--eval_text`` (WikiText-2's raw test split) and ``-
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +21,20 @@ from fairprune.metrics.language import measure_lm
 from fairprune.families import family_of
 from fairprune.pruning import registry
 from fairprune.pruning.llm import parse_sparsity, prune_and_measure, sparsity_by_layer
-from fairprune.reporting.report import markdown, write_json, write_lm_run
+from fairprune.reporting.compare import write_comparison
+from fairprune.reporting.report import write_json
+from fairprune.reporting.runs import write_lm_run
+from fairprune.workflows.options import LMOptions, SolverOptions
 
 
-def prune_loaded(model, tokenizer, method: str, sparsity: float | str, output: str | Path, texts, *, model_name: str,
-                 device: str = "auto", config: dict[str, Any] | None = None, **settings: Any) -> dict[str, Any]:
+def prune_loaded(model, tokenizer, method: str, sparsity: str, output: str | Path, texts, lm: LMOptions,
+                 solver: SolverOptions, config: dict[str, Any]) -> dict[str, Any]:
     """Prune a loaded model in place, measure before and after, save it and its report."""
-    report, layers = prune_and_measure(model, tokenizer, method, sparsity, texts, device=resolve_device(device), **settings)
-    report = {"method": method, "model": model_name, **report}
-    write_lm_run(output, model, tokenizer, report, layers, config or {"method": method, "sparsity": str(sparsity)})
+    report, layers = prune_and_measure(model, tokenizer, method, sparsity, texts, nsamples=lm.nsamples, seqlen=lm.seqlen,
+                                       eval_seqlen=lm.window, device=resolve_device(lm.device), seed=lm.seed,
+                                       percdamp=solver.percdamp, blocksize=solver.blocksize)
+    report = {"method": method, "model": lm.model, **report}
+    write_lm_run(output, model, tokenizer, report, config, layers)
     before, after = report["reference"]["metrics"], report["metrics"]
     print(f"[{method}] perplexity {before['perplexity']:.2f} → {after['perplexity']:.2f}, stereotype score "
           f"{before['stereotype_score']:.3f} → {after['stereotype_score']:.3f}, sparsity {report['achieved_sparsity']:.4f}; "
@@ -36,61 +42,71 @@ def prune_loaded(model, tokenizer, method: str, sparsity: float | str, output: s
     return report
 
 
-def run_llm_pruning(model: str, method: str, sparsity: float | str, output: str | Path, *, calib_text: str | None = None,
-                    eval_text: str | None = None, pairs: str | None = None, trust_remote_code: bool = False,
-                    seed: int = 0, **settings: Any) -> dict[str, Any]:
-    """``prune.py <method>``: load by name or path, prune, save an HF folder and its report."""
-    texts = lm_texts(calib_text, eval_text, pairs, seed)
-    tokenizer = load_tokenizer(model, trust_remote_code)
-    lm = load_model(model, "causal-lm", trust_remote_code)
-    config = {"model": model, "method": method, "sparsity": str(sparsity), "calib_text": calib_text, "eval_text": eval_text,
-              "pairs": pairs, "seed": seed, **settings}
-    return prune_loaded(lm, tokenizer, method, sparsity, output, texts, model_name=model, seed=seed, config=config, **settings)
+def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm: str | None = None,
+             solver: SolverOptions = SolverOptions()) -> dict[str, Any]:
+    """Post-training pruning of a causal LM: load, measure, prune, measure again; writes the pruned
+    model (``from_pretrained`` loads ``output``), ``report.json``, ``sparsity.csv``, ``config.yaml``.
+
+    Args:
+        method: magnitude, wanda, sparsegpt or debias-sparsegpt.
+        lm: the model and its texts.
+        output: folder for the pruned model and its report.
+        sparsity: fraction in [0, 1) or N:M such as 2:4.
+        nm: N:M pattern (the same as --sparsity 2:4).
+        solver: SparseGPT's settings.
+    """
+    registry.get(method, "lm")
+    sparsity = nm or sparsity
+    parse_sparsity(sparsity)  # a bad value fails before the model loads
+    texts = lm_texts(lm.calib_text, lm.eval_text, lm.pairs, lm.seed)
+    tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
+    model = load_model(lm.model, "causal-lm", lm.trust_remote_code)
+    config = {"method": method, "sparsity": str(sparsity), **asdict(lm), **asdict(solver)}
+    return prune_loaded(model, tokenizer, method, sparsity, output, texts, lm, solver, config)
 
 
-def evaluate_lm(model: str, output: str | Path | None = None, *, eval_text: str | None = None, pairs: str | None = None,
-                seqlen: int = 128, device: str = "auto", trust_remote_code: bool = False, seed: int = 0) -> dict[str, Any]:
-    """``prune.py evaluate``: perplexity, stereotype score and sparsity of any causal LM."""
-    texts = lm_texts(None, eval_text, pairs, seed)
-    tokenizer = load_tokenizer(model, trust_remote_code)
-    lm = load_model(model, "causal-lm", trust_remote_code)
-    layers = sparsity_by_layer(lm, family_of(lm))
-    report = {"method": "evaluate", "model": model, "achieved_sparsity": layers.pop("__total__"),
-              "metrics": measure_lm(lm, tokenizer, texts.eval_text, texts.eval_pairs, seqlen, resolve_device(device))}
+def evaluate_lm(lm: LMOptions, output: str | None = None) -> dict[str, Any]:
+    """Perplexity, stereotype score and sparsity of any causal LM.
+
+    Args:
+        lm: the model and its texts.
+        output: folder for report.json (none: print only).
+    """
+    texts = lm_texts(None, lm.eval_text, lm.pairs, lm.seed)
+    tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
+    model = load_model(lm.model, "causal-lm", lm.trust_remote_code)
+    layers = sparsity_by_layer(model, family_of(model))
+    report = {"method": "evaluate", "model": lm.model, "achieved_sparsity": layers.pop("__total__"),
+              "metrics": measure_lm(model, tokenizer, texts.eval_text, texts.eval_pairs, lm.window, resolve_device(lm.device))}
     if output:
         write_json(Path(output) / "report.json", report)
-    print(f"[evaluate] {model}: perplexity {report['metrics']['perplexity']:.2f}, stereotype score "
+    print(f"[evaluate] {lm.model}: perplexity {report['metrics']['perplexity']:.2f}, stereotype score "
           f"{report['metrics']['stereotype_score']:.3f}, sparsity {report['achieved_sparsity']:.4f}")
     return report
 
 
-def compare_lm(model: str, methods: list[str], sparsities: list[float | str], output: str | Path, *,
-               calib_text: str | None = None, eval_text: str | None = None, pairs: str | None = None,
-               trust_remote_code: bool = False, seed: int = 0, **settings: Any) -> pd.DataFrame:
-    """Every method at every sparsity from one model; ``comparison.csv`` / ``.md`` in ``output``."""
+def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str], output: str,
+               solver: SolverOptions = SolverOptions()) -> pd.DataFrame:
+    """Every method at every sparsity from one model: one run folder each (``<method>_<sparsity>``)
+    and one comparison in ``output``."""
     for method in methods:
         registry.get(method, "lm")
     for s in sparsities:
         parse_sparsity(s)
-    texts = lm_texts(calib_text, eval_text, pairs, seed)
-    tokenizer = load_tokenizer(model, trust_remote_code)
+    texts = lm_texts(lm.calib_text, lm.eval_text, lm.pairs, lm.seed)
+    tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
     rows: list[dict[str, Any]] = []
     start = time.perf_counter()
     for method in methods:
         for s in sparsities:
             name = f"{method}_{str(s).replace(':', 'of')}"
             print(f"[compare] {name} ...", flush=True)
-            lm = load_model(model, "causal-lm", trust_remote_code)
-            report = prune_loaded(lm, tokenizer, method, s, Path(output) / name, texts, model_name=model, seed=seed, **settings)
+            model = load_model(lm.model, "causal-lm", lm.trust_remote_code)
+            config = {"method": method, "sparsity": str(s), **asdict(lm), **asdict(solver)}
+            report = prune_loaded(model, tokenizer, method, str(s), Path(output) / name, texts, lm, solver, config)
             if not rows:
                 rows.append({"method": "dense", "sparsity": "0", "achieved_sparsity": 0.0, **report["reference"]["metrics"],
                              "seconds": 0.0})
             rows.append({"method": method, "sparsity": str(s), "achieved_sparsity": report["achieved_sparsity"],
                          **report["metrics"], "seconds": report["seconds"]["total"]})
-    table = pd.DataFrame(rows)
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out / "comparison.csv", index=False)
-    (out / "comparison.md").write_text(markdown(table.set_index("method")) + "\n")
-    write_json(out / "report.json", {"comparison": rows, "seconds": {"total": time.perf_counter() - start}})
-    return table
+    return write_comparison(rows, output, {"seconds": {"total": time.perf_counter() - start}})

@@ -8,7 +8,6 @@ between steps with a real Trainer, test, and write the usual run folder.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from pkgutil import resolve_name
@@ -26,7 +25,8 @@ from fairprune.callbacks.progress import ProgressBar
 from fairprune.callbacks.report import ReportWriter
 from fairprune.errors import UserError
 from fairprune.reporting.plots import plot_error_rate_changes, plot_group_shares
-from fairprune.reporting.report import markdown, write_json
+from fairprune.reporting.compare import write_comparison
+from fairprune.workflows.options import DataOptions, TrainerOptions
 
 
 def load_trained(ckpt: str | Path, data_overrides: dict[str, Any] | None = None) -> tuple[L.LightningModule, L.LightningDataModule]:
@@ -44,21 +44,49 @@ def load_trained(ckpt: str | Path, data_overrides: dict[str, Any] | None = None)
 
 
 def prune_vision(
-    ckpt: str | Path,
+    ckpt: str,
     pruning: dict[str, Any],
-    output: str | Path = "runs/prune",
+    output: str = "runs/prune",
     name: str | None = None,
-    trainer: dict[str, Any] | None = None,
-    data: dict[str, Any] | None = None,
+    trainer: TrainerOptions | None = None,
+    data: DataOptions | None = None,
     resume: str | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Prune a trained checkpoint with one method, retraining between steps; return its report.
+    """Prune a trained checkpoint with one method, retraining between steps; return its report
+    (test split, with the dense model's figures under ``reference``).
 
     The run folder is ``<output>/<name>`` (default name: the method) and holds ``config.yaml``,
-    ``metrics.csv``, ``checkpoints/last.ckpt``, ``report.json`` (test split, with the dense
-    reference), ``groups.csv``, ``sparsity.csv`` and, for FairGRAPE, ``group_shares.csv``.
+    ``metrics.csv``, ``checkpoints/last.ckpt``, ``report.json``, ``groups.csv``, ``sparsity.csv``
+    and, for FairGRAPE, ``group_shares.csv``.
+
+    Args:
+        ckpt: dense checkpoint written by train.py.
+        pruning: the IterativePruning callback's settings (method, target_sparsity, ...).
+        output: folder the run folder goes in.
+        name: run folder name (default: the method).
+        trainer: Trainer arguments (accelerator, devices, strategy, max_epochs, limit_train_batches, ...).
+        data: overrides of the checkpoint's data settings (root, batch_size, num_workers, max_samples).
+        resume: checkpoint of an interrupted pruning run to resume.
+        seed: global seed.
     """
+    report, _ = _prune(ckpt, pruning, output, name, trainer, data, resume, seed)
+    print(f"[prune] {report.get('method')}: accuracy {report.get('metrics', {}).get('accuracy', float('nan')):.4f}, "
+          f"sparsity {report.get('achieved_sparsity', float('nan')):.4f}")
+    return report
+
+
+def _prune(
+    ckpt: str,
+    pruning: dict[str, Any],
+    output: str = "runs/prune",
+    name: str | None = None,
+    trainer: TrainerOptions | None = None,
+    data: DataOptions | None = None,
+    resume: str | None = None,
+    seed: int = 0,
+) -> tuple[dict[str, Any], IterativePruning]:
+    """The run behind :func:`prune_vision`: its report and the pruning callback (FairGRAPE's shares)."""
     L.seed_everything(seed, workers=True, verbose=False)
     callback = IterativePruning(**pruning)
     name = name or callback.method
@@ -70,15 +98,16 @@ def prune_vision(
     (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     settings = {"accelerator": "auto", "devices": 1, "log_every_n_steps": 10, **(trainer or {})}
     settings.setdefault("max_epochs", callback.last_epoch_needed)
+    writer = ReportWriter()
     fit = L.Trainer(
         logger=CSVLogger(str(output), name="", version=name),
-        callbacks=[callback, ReportWriter(), ModelCheckpoint(dirpath=run / "checkpoints", save_last=True)]
+        callbacks=[callback, writer, ModelCheckpoint(dirpath=run / "checkpoints", save_last=True)]
         + ([ProgressBar()] if settings.get("enable_progress_bar", True) else []),
         **settings,
     )
     fit.fit(model, datamodule=datamodule, ckpt_path=resume, weights_only=False)  # our own run's checkpoint
     fit.test(model, datamodule=datamodule, verbose=False)
-    return json.loads((run / "report.json").read_text())
+    return writer.reports.get("test", {}), callback
 
 
 def _row(report: dict[str, Any], method: str, target: float | None) -> dict[str, Any]:
@@ -95,20 +124,20 @@ def _row(report: dict[str, Any], method: str, target: float | None) -> dict[str,
 
 
 def compare_vision(
-    ckpt: str | Path,
+    ckpt: str,
     methods: list[str],
     sparsities: list[float],
     pruning: dict[str, Any] | None = None,
-    output: str | Path = "runs/compare",
-    trainer: dict[str, Any] | None = None,
-    data: dict[str, Any] | None = None,
+    output: str = "runs/compare",
+    trainer: TrainerOptions | None = None,
+    data: DataOptions | None = None,
     seed: int = 0,
 ) -> pd.DataFrame:
     """Run every method at every sparsity from one dense checkpoint and write one table.
 
-    Writes ``comparison.csv``, ``comparison.md``, ``error_rate_changes.png`` (per-group FPR / FNR
-    change with 95 % ellipses per method) and ``group_shares.png`` (FairGRAPE's per-layer share of
-    group importance) into ``output``.
+    Writes ``comparison.csv``, ``comparison.md``, ``report.json``, ``error_rate_changes.png``
+    (per-group FPR / FNR change with 95 % ellipses per method) and ``group_shares.png``
+    (FairGRAPE's per-layer share of group importance) into ``output``.
     """
     if not methods or not sparsities:
         raise UserError("compare needs at least one method and one sparsity")
@@ -116,26 +145,21 @@ def compare_vision(
         for sparsity in sparsities:
             IterativePruning(**{**(pruning or {}), "method": method, "target_sparsity": sparsity})
     output = Path(output)
-    rows, reports = [], {}
+    rows, reports, shares = [], {}, None
     start = time.perf_counter()
     for method in methods:
         for sparsity in sparsities:
             name = f"{method}_s{sparsity:g}"
             print(f"[compare] {name} ({len(reports) + 1}/{len(methods) * len(sparsities)}) ...", flush=True)
-            report = prune_vision(ckpt, {**(pruning or {}), "method": method, "target_sparsity": sparsity},
-                                  output, name, trainer, data, seed=seed)
+            report, callback = _prune(ckpt, {**(pruning or {}), "method": method, "target_sparsity": sparsity},
+                                      str(output), name, trainer, data, seed=seed)
+            shares = callback.share_rows() or shares
             reports[name] = report
             if not rows and "reference" in report:
                 rows.append(_row(report["reference"], "dense", 0.0))
             rows.append(_row(report, method, sparsity))
-    table = pd.DataFrame(rows)
-    output.mkdir(parents=True, exist_ok=True)
-    table.to_csv(output / "comparison.csv", index=False)
-    (output / "comparison.md").write_text(markdown(table.set_index("method")) + "\n")
     plot_error_rate_changes(reports, output / "error_rate_changes.png")
-    shares = [output / n / "group_shares.csv" for n in reports if (output / n / "group_shares.csv").exists()]
     if shares:
-        plot_group_shares(pd.read_csv(shares[-1]), output / "group_shares.png")
-    write_json(output / "report.json", {"comparison": rows, "runs": {n: str(output / n) for n in reports},
-                                         "seconds": {"total": time.perf_counter() - start}})
-    return table
+        plot_group_shares(pd.DataFrame(shares), output / "group_shares.png")
+    return write_comparison(rows, output, {"runs": {n: str(output / n) for n in reports},
+                                           "seconds": {"total": time.perf_counter() - start}})

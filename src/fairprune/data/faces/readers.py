@@ -1,6 +1,6 @@
-"""Face-attribute data: UTKFace, FairFace and CelebA readers, one Dataset, one DataModule.
+"""Face-attribute readers: UTKFace, FairFace and CelebA files to one kind of frame.
 
-Every reader returns the same kind of frame, one row per image:
+Every reader returns one row per image:
 
 * ``path``   absolute image path,
 * ``target`` class index of the attribute to predict,
@@ -14,13 +14,6 @@ Names: ``gender``, ``race`` and ``age`` (nine FairFace age bins; UTKFace ages ar
 same way) for UTKFace and FairFace; any of the 40 attributes for CelebA (``gender`` is accepted
 as another name for ``Male``). The label vocabularies are fixed, so :func:`task_info` knows
 the class and group names before any file is read: the model is built from them first.
-
-Example (the synthetic set is generated on first use)::
-
-    dm = FaceDataModule("synthetic", target="gender", sensitive="race", synthetic_size=400)
-    dm.class_names, dm.group_names      # (['Male', 'Female'], ['White', 'Black', 'Asian', 'Indian'])
-    dm.prepare_data(); dm.setup("fit")
-    images, targets, groups = next(iter(dm.train_dataloader()))
 """
 
 from __future__ import annotations
@@ -28,20 +21,12 @@ from __future__ import annotations
 import hashlib
 import re
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Sequence
 
-import lightning as L
 import numpy as np
 import pandas as pd
-import torch
-from PIL import Image
-from torch.utils.data import DataLoader, Dataset, Sampler, Subset
-from torchvision.transforms import v2
 
-from fairprune.data.synthetic import MARKER, generate_synthetic_utkface
-from fairprune.hub import cache_dir
 from fairprune.errors import UserError, suggest
 
 DATASETS = ("synthetic", "utkface", "fairface", "celeba")
@@ -80,8 +65,6 @@ LABEL_FILES = {
     "fairface": ("fairface_label_train.csv", "fairface_label_val.csv"),
     "celeba": ("list_attr_celeba.txt", "list_eval_partition.txt"),
 }
-IMAGENET_MEAN = (0.485, 0.456, 0.406)
-IMAGENET_STD = (0.229, 0.224, 0.225)
 # age_gender_race_datetime, in-the-wild (.jpg) or aligned (.jpg.chip.jpg) style.
 UTKFACE_NAME = re.compile(r"(\d+)_([01])_([0-4])_(\d+)\.jpg(\.chip\.jpg)?")
 
@@ -373,252 +356,3 @@ def _label_file(base: Path, name: str, dataset: str) -> Path:
         raise UserError(f"label file '{path}' does not exist; pass --data.root pointing to the "
                         f"folder that holds {ROOT_CONTENTS[dataset]}")
     return path
-
-
-# --------------------------------------------------------------------------------------------
-# Dataset and transforms.
-
-
-def drop_unreadable(frame: pd.DataFrame) -> pd.DataFrame:
-    """Drop rows whose image PIL cannot open and verify, with one warning giving the count.
-
-    ``verify`` reads headers and structure without decoding pixels, so this is cheap enough
-    to run over a whole dataset once; damage it misses is handled by :class:`FaceDataset`.
-    """
-    with ThreadPoolExecutor(max_workers=8) as pool:  # opening files is I/O-bound
-        readable = np.fromiter(pool.map(_verifies, frame["path"]), dtype=bool, count=len(frame))
-    if len(frame) and not readable.any():
-        raise UserError(f"none of the {len(frame)} images could be read, e.g. "
-                        f"'{frame['path'].iloc[0]}'; check --data.root and the files' permissions")
-    if not readable.all():
-        warnings.warn(f"dropped {int((~readable).sum())} unreadable image(s) of {len(frame)}, "
-                      f"e.g. '{frame['path'][~readable].iloc[0]}'", stacklevel=2)
-    return frame[readable].reset_index(drop=True)
-
-
-def _verifies(path: str) -> bool:
-    """True when PIL can open and verify the image at ``path``."""
-    try:
-        with Image.open(path) as image:
-            image.verify()
-        return True
-    except Exception:  # noqa: BLE001 - any failure to read means the image is unusable
-        return False
-
-
-def face_transform(image_size: int, augment: bool = False) -> v2.Compose:
-    """Resize and centre-crop to a square, scale to float in [0, 1], normalise (ImageNet).
-
-    Resizing the shorter side and cropping keeps CelebA's 178x218 faces undistorted; square
-    images (UTKFace, FairFace, synthetic) are simply resized.
-    """
-    steps = [v2.ToImage(), v2.Resize(image_size, antialias=True), v2.CenterCrop(image_size)]
-    if augment:
-        steps.append(v2.RandomHorizontalFlip())
-    steps += [v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]
-    return v2.Compose(steps)
-
-
-class FaceDataset(Dataset):
-    """Images of a frame as ``(image, target, group)``; target and group are int64 tensors.
-
-    An image that fails to load is replaced by the next one (in frame order) that loads, so a
-    damaged file never stops an epoch; ``num_failed`` counts the failures. The count lives in
-    shared memory, so failures inside DataLoader worker processes are counted too.
-    """
-
-    def __init__(self, frame: pd.DataFrame, transform=None):
-        self.paths = frame["path"].astype(str).tolist()
-        self.targets = torch.tensor(frame["target"].to_numpy(np.int64))
-        self.groups = torch.tensor(frame["group"].to_numpy(np.int64))
-        self.transform = transform or v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True)])
-        self._failures = torch.zeros(1, dtype=torch.int64).share_memory_()
-
-    def __len__(self) -> int:
-        return len(self.paths)
-
-    @property
-    def num_failed(self) -> int:
-        """How many image loads failed (and were substituted) so far, over all processes."""
-        return int(self._failures.item())
-
-    def __getitem__(self, index: int):
-        for offset in range(len(self)):
-            i = (index + offset) % len(self)
-            try:
-                with Image.open(self.paths[i]) as image:
-                    rgb = image.convert("RGB")  # decodes now, so damage surfaces here
-            except Exception:  # noqa: BLE001 - any unreadable file is substituted, not fatal
-                self._failed(self.paths[i])
-                continue
-            return self.transform(rgb), self.targets[i], self.groups[i]
-        raise RuntimeError(f"none of the {len(self)} images could be loaded")
-
-    def _failed(self, path: str) -> None:
-        """Count a failed load; warn on the first only, so a bad disk does not flood the log."""
-        self._failures += 1
-        if self.num_failed == 1:
-            warnings.warn(f"could not load '{path}'; using the next image instead "
-                          f"(dataset.num_failed counts these)", stacklevel=3)
-
-
-def stratified_subset(groups: np.ndarray, fraction: float, seed: int) -> np.ndarray:
-    """Sorted indices of a seeded ``fraction`` of each group (at least one per non-empty group)."""
-    rng = np.random.default_rng(seed)
-    picks = []
-    for value in np.unique(groups):
-        members = np.flatnonzero(groups == value)
-        take = max(1, int(round(fraction * len(members))))
-        picks.append(rng.permutation(members)[:take])
-    return np.sort(np.concatenate(picks)) if picks else np.zeros(0, dtype=np.int64)
-
-
-# --------------------------------------------------------------------------------------------
-# The DataModule.
-
-
-
-class FaceDataModule(L.LightningDataModule):
-    """UTKFace, FairFace, CelebA or the bundled synthetic set, with targets and groups.
-
-    ``class_names``, ``group_names``, ``num_classes`` and ``num_groups`` are known right after
-    ``__init__`` (from the label vocabularies), so a model can be built before any data is
-    read. With ``sensitive=None`` every row has group -1 and ``group_names == ["unknown"]``.
-    ``max_samples`` caps each split (a seeded sample), for quick runs.
-    """
-
-    def __init__(
-        self,
-        dataset: str = "synthetic",
-        root: str | None = None,
-        target: str = "gender",
-        sensitive: str | None = "race",
-        image_size: int = 64,
-        batch_size: int = 64,
-        num_workers: int = 0,
-        seed: int = 0,
-        include_others: bool = False,
-        augment: bool = False,
-        max_samples: int | None = None,
-        synthetic_size: int = 4000,
-    ):
-        super().__init__()
-        self.save_hyperparameters()
-        self.class_names, self.group_names = task_info(dataset, target, sensitive, include_others)
-        _check_positive(image_size=image_size, batch_size=batch_size, synthetic_size=synthetic_size,
-                        max_samples=max_samples)
-        if num_workers < 0:
-            raise UserError(f"--data.num_workers must be 0 or more, got {num_workers}")
-        if dataset == "synthetic":
-            self.root = Path(root) if root is not None else cache_dir() / f"synthetic_utkface_{synthetic_size}_{seed}"
-        else:
-            self.root = check_root(dataset, root)  # fail before training, not at setup()
-        self.num_classes = len(self.class_names)
-        self.num_groups = len(self.group_names)
-        self.train_frame = self.val_frame = self.test_frame = None
-
-    def prepare_data(self) -> None:
-        """Generate the synthetic set into ``root`` unless it is complete already."""
-        if self.hparams.dataset == "synthetic":
-            generate_synthetic_utkface(self.root, n=self.hparams.synthetic_size, seed=self.hparams.seed)
-
-    def setup(self, stage: str | None = None) -> None:
-        """Read the frame once, drop unreadable images, and build the three datasets."""
-        if self.train_frame is not None:
-            return
-        hp = self.hparams
-        if hp.dataset == "synthetic" and not (self.root / MARKER).exists():
-            self.prepare_data()  # setup() called without prepare_data(), e.g. from a script
-        frame = read_faces(hp.dataset, self.root, hp.target, hp.sensitive, hp.include_others, hp.seed)
-        frames = {split: self._cap(frame[frame["split"] == split]) for split in SPLITS}
-        frame = drop_unreadable(pd.concat(frames.values(), ignore_index=True))
-        frames = {split: frame[frame["split"] == split].reset_index(drop=True) for split in SPLITS}
-        self._warn_absent_groups(frames)
-        self.train_frame, self.val_frame, self.test_frame = (frames[s] for s in SPLITS)
-        train_tf = face_transform(hp.image_size, augment=hp.augment)
-        eval_tf = face_transform(hp.image_size)
-        self.train_set = FaceDataset(self.train_frame, train_tf)
-        self.val_set = FaceDataset(self.val_frame, eval_tf)
-        self.test_set = FaceDataset(self.test_frame, eval_tf)
-        # Importance scores want the training images without random augmentation.
-        self.importance_set = FaceDataset(self.train_frame, eval_tf)
-
-    def _cap(self, frame: pd.DataFrame) -> pd.DataFrame:
-        """At most ``max_samples`` rows of one split, a seeded sample kept in frame order."""
-        cap = self.hparams.max_samples
-        if cap is None or len(frame) <= cap:
-            return frame
-        return frame.sample(n=cap, random_state=self.hparams.seed).sort_index()
-
-    def _warn_absent_groups(self, frames: dict[str, pd.DataFrame]) -> None:
-        """Warn once, naming every (group, split) pair without samples."""
-        if self.hparams.sensitive is None:
-            return
-        absent = [
-            f"{name} in {split}"
-            for split, frame in frames.items()
-            for code, name in enumerate(self.group_names)
-            if not (frame["group"] == code).any()
-        ]
-        if absent:
-            warnings.warn(f"no samples of group {', '.join(absent)}; metrics of those groups "
-                          f"will be missing for that split", stacklevel=3)
-
-    def train_dataloader(self) -> DataLoader:
-        return self._loader(self.train_set, sampler=EpochShuffle(len(self.train_set), self.hparams.seed))
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set)
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set)
-
-    def importance_dataloader(self, fraction: float = 0.2, seed: int = 0) -> DataLoader:
-        """A loader over a seeded, group-stratified ``fraction`` of the training set, in order."""
-        if not 0 < fraction <= 1:
-            raise UserError(f"importance data fraction must be in (0, 1], got {fraction}; "
-                            f"pass a fraction such as 0.2")
-        if self.train_frame is None:
-            self.setup("fit")
-        indices = stratified_subset(self.importance_set.groups.numpy(), fraction, seed)
-        return self._loader(Subset(self.importance_set, indices.tolist()))
-
-    def _loader(self, dataset: Dataset, sampler: Sampler | None = None) -> DataLoader:
-        workers = self.hparams.num_workers
-        return DataLoader(
-            dataset,
-            batch_size=self.hparams.batch_size,
-            sampler=sampler,
-            num_workers=workers,
-            persistent_workers=workers > 0,
-            pin_memory=torch.cuda.is_available(),
-        )
-
-
-class EpochShuffle(Sampler[int]):
-    """A shuffled order that depends only on ``(seed, epoch)``.
-
-    Lightning calls ``set_epoch`` before every training epoch, so a run resumed from a checkpoint
-    sees the same order in each epoch as an uninterrupted run (a plain shuffling sampler would
-    draw from the global random state, which a resume does not restore).
-    """
-
-    def __init__(self, size: int, seed: int = 0) -> None:
-        self.size, self.seed, self.epoch = size, seed, 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __iter__(self):
-        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
-        yield from torch.randperm(self.size, generator=generator).tolist()
-
-
-def _check_positive(**values: int | None) -> None:
-    """Raise a UserError for the first value that is given but not a positive integer."""
-    for name, value in values.items():
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise UserError(f"--data.{name} must be a positive integer, got {value}")

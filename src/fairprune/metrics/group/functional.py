@@ -1,19 +1,15 @@
-"""Per-group classification rates and what pruning costs each group.
+"""Per-group classification rates as functions of one confusion tensor per demographic group.
 
-Everything here is derived from one state: a confusion matrix per demographic group, shape
-``[num_groups, num_classes, num_classes]`` (rows = target class, columns = predicted class). Sums
-of confusion matrices are exact, so the state merges across batches, processes and metric objects
-by addition, and the per-group rates, the gap between groups and the degradation against a
-reference model all follow from it at ``compute`` time.
+The state is ``[num_groups, num_classes, num_classes]`` (rows = target class, columns = predicted
+class); sums of it are exact, so it merges by addition and every rate follows from it at the end.
 
-- :class:`GroupRates` is the torchmetrics ``Metric``; :func:`group_rates` is its functional twin
-  and both end in the same function on the confusion tensor.
+- :func:`group_rates` is the functional twin of :class:`~fairprune.metrics.group.GroupRates`;
+  both end in :func:`_group_rates_compute` on the confusion tensor.
 - :func:`per_group_frame` turns a result into a pandas table, one row per group.
 - :func:`binary_fairness` wraps torchmetrics' demographic parity and equal opportunity for
   binary tasks, leaving out samples of unknown groups and groups with no samples.
 
-Samples whose group is negative (unknown) are ignored by everything in this module, including
-the overall accuracy.
+Samples whose group is negative (unknown) are ignored everywhere, the overall accuracy included.
 """
 
 from __future__ import annotations
@@ -24,14 +20,13 @@ from typing import Any, Optional, Union
 import pandas as pd
 import torch
 from torch import Tensor
-from torchmetrics import Metric
 from torchmetrics.functional.classification import binary_fairness as _torchmetrics_binary_fairness
 from torchmetrics.functional.classification import equal_opportunity
 from torchmetrics.utilities.data import _bincount
 
 from fairprune.errors import UserError, suggest
 
-__all__ = ["GroupRates", "group_rates", "per_group_frame", "binary_fairness"]
+__all__ = ["group_rates", "group_result", "flatten_result", "result_values", "per_group_frame", "binary_fairness"]
 
 Reference = Union[Mapping[str, float], Tensor, Sequence[float], None]
 
@@ -193,37 +188,69 @@ def _binary_parity(confusion: Tensor, present: Tensor) -> dict[str, Tensor]:
     }
 
 
-def _group_rates_compute(
-    confusion: Tensor, group_names: Sequence[str], reference: Optional[Tensor]
-) -> dict[str, Tensor]:
-    """The flat result dict from a ``[G, C, C]`` confusion tensor; see :class:`GroupRates`."""
+def group_result(confusion: Tensor, group_names: Sequence[str], reference: Optional[Tensor]) -> dict[str, Any]:
+    """The result from a ``[G, C, C]`` confusion tensor, nested the way reports hold it:
+    ``{"metrics": {"accuracy"}, "groups": {name: {"accuracy", "fpr", "fnr", "count", "present",
+    "degradation"}}, "fairness": {"acc_gap", "acc_std", ...}}`` (0-d tensors; an absent group has
+    only ``count`` 0 and ``present`` false). :func:`flatten_result` gives the logged names."""
     counts = confusion.sum(dim=(1, 2))
     correct = confusion.diagonal(dim1=1, dim2=2).sum(dim=1)
     present = counts > 0
     acc = correct.float() / counts.clamp(min=1)
     fpr, fnr = _error_rates(confusion)
     gap, std = _spread(acc[present])
-
-    out: dict[str, Tensor] = {
-        "acc": correct.sum().float() / counts.sum().clamp(min=1),
-        "acc_gap": gap,
-        "acc_std": std,
-    }
+    groups: dict[str, dict[str, Tensor]] = {}
     for i, name in enumerate(group_names):
-        out[f"count/{name}"] = counts[i].float()
-        out[f"present/{name}"] = present[i].float()
+        groups[name] = {"count": counts[i].float(), "present": present[i].float()}
         if present[i]:
-            out[f"acc/{name}"] = acc[i]
-            out[f"fpr/{name}"] = fpr[i]
-            out[f"fnr/{name}"] = fnr[i]
+            groups[name].update(accuracy=acc[i], fpr=fpr[i], fnr=fnr[i])
+    fairness: dict[str, Tensor] = {"acc_gap": gap, "acc_std": std}
     if confusion.shape[1] == 2:
-        out.update(_binary_parity(confusion, present))
+        fairness.update(_binary_parity(confusion, present))
     if reference is not None and not reference.isnan().all():
-        out.update(_degradation(acc, present, reference.to(acc), group_names))
+        drop, spread = _degradation(acc, present, reference.to(acc), group_names)
+        for name, value in drop.items():
+            groups[name]["degradation"] = value
+        fairness.update(spread)
+    return {"metrics": {"accuracy": correct.sum().float() / counts.sum().clamp(min=1)}, "groups": groups,
+            "fairness": fairness}
+
+
+# Per-group figures and the names they are logged under (``acc/<group>``, ...).
+_LOGGED = {"count": "count", "present": "present", "accuracy": "acc", "fpr": "fpr", "fnr": "fnr", "degradation": "degradation"}
+
+
+def flatten_result(result: Mapping[str, Any]) -> dict[str, Tensor]:
+    """The flat names a result is logged under: ``acc``, ``acc/<group>``, ``fpr/<group>``, ...,
+    ``acc_gap``, ``degradation_std``; the one place per-group figures become strings."""
+    out: dict[str, Tensor] = {"acc": result["metrics"]["accuracy"]}
+    for name, figures in result["groups"].items():
+        out.update({f"{_LOGGED[key]}/{name}": value for key, value in figures.items()})
+    out.update(result["fairness"])
     return out
 
 
-def _degradation(acc: Tensor, present: Tensor, reference: Tensor, group_names: Sequence[str]) -> dict[str, Tensor]:
+def result_values(result: Mapping[str, Any]) -> dict[str, Any]:
+    """A result with plain Python values, as a report holds it: floats, ``count`` an int,
+    ``present`` a bool."""
+    def plain(key: str, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            return {k: plain(k, v) for k, v in value.items()}
+        value = float(value)
+        return int(value) if key == "count" else bool(value) if key == "present" else value
+
+    return {part: plain(part, values) for part, values in result.items()}
+
+
+def _group_rates_compute(
+    confusion: Tensor, group_names: Sequence[str], reference: Optional[Tensor]
+) -> dict[str, Tensor]:
+    """The flat result dict from a ``[G, C, C]`` confusion tensor; see :class:`GroupRates`."""
+    return flatten_result(group_result(confusion, group_names, reference))
+
+
+def _degradation(acc: Tensor, present: Tensor, reference: Tensor,
+                 group_names: Sequence[str]) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """Reference accuracy − accuracy per present group with a reference, and its spread.
 
     The spread of per-group degradation (FairGRAPE's headline figure) is 0 when pruning costs
@@ -231,16 +258,16 @@ def _degradation(acc: Tensor, present: Tensor, reference: Tensor, group_names: S
     """
     counted = present & ~reference.isnan()
     drop = reference - acc
-    out = {f"degradation/{name}": drop[i] for i, name in enumerate(group_names) if counted[i]}
+    per_group = {name: drop[i] for i, name in enumerate(group_names) if counted[i]}
     values = drop[counted]
     zero = acc.new_zeros(())
-    out["degradation_var"] = values.var(correction=0) if values.numel() > 1 else zero
-    out["degradation_std"] = values.std(correction=0) if values.numel() > 1 else zero
-    return out
+    spread = {"degradation_var": values.var(correction=0) if values.numel() > 1 else zero,
+              "degradation_std": values.std(correction=0) if values.numel() > 1 else zero}
+    return per_group, spread
 
 
 # ----------------------------------------------------------------------------------------------
-# Functional twin and the Metric
+# Functional form
 
 
 def group_rates(
@@ -274,148 +301,6 @@ def group_rates(
     names = _names(group_names, num_groups, "group_names", "num_groups")
     confusion = _group_confusion(preds, target, groups, num_classes, num_groups)
     return _group_rates_compute(confusion, names, _reference_tensor(reference, names).to(preds.device))
-
-
-class GroupRates(Metric):
-    r"""Accuracy, FPR and FNR per demographic group, the gap between groups, and the degradation
-    of each group against a reference (dense) model.
-
-    Accepts:
-
-    - ``preds``: ``[N, C]`` logits or probabilities (the argmax is the prediction) or ``[N]``
-      integer labels. Binary tasks use ``num_classes=2`` and ``[N, 2]`` logits.
-    - ``target``: ``[N]`` integer labels in ``[0, C)``.
-    - ``groups``: ``[N]`` integer group ids in ``[0, num_groups)``; a negative id marks an unknown
-      group and the sample is ignored everywhere, the overall ``acc`` included.
-
-    ``compute()`` returns a flat ``dict[str, Tensor]`` of float scalars, ready for ``log_dict``:
-
-    - ``acc``: accuracy over all samples with a known group.
-    - ``acc_gap``, ``acc_std``: max − min and population std (ddof=0) of the per-group accuracy
-      over present groups; 0 with fewer than two present groups.
-    - ``count/<g>``, ``present/<g>`` (1 or 0) for every group.
-    - ``acc/<g>``, ``fpr/<g>``, ``fnr/<g>`` for present groups only, so that no value is NaN.
-      FPR and FNR are one-vs-rest per class, macro-averaged over the classes whose denominator is
-      non-zero (0 if none); with ``num_classes == 2`` they are the plain FPR and FNR of class 1.
-    - With ``num_classes == 2``: ``demographic_parity`` and ``equal_opportunity``, the lowest over
-      the highest positive rate (resp. true positive rate) across groups, as torchmetrics'
-      ``BinaryFairness`` defines them, over present groups (resp. groups with a positive target).
-    - Once :meth:`set_reference` was called: ``degradation/<g>`` = reference accuracy − accuracy
-      for present groups with a reference, and ``degradation_var``, ``degradation_std`` (ddof=0)
-      over them.
-
-    The reference is a persistent buffer: it is kept by ``reset()``, moves with ``.to()`` and is
-    saved in and loaded from the ``state_dict``. The confusion state sums across processes.
-
-    Args:
-        num_classes: number of classes (2 for binary tasks).
-        num_groups: number of demographic groups.
-        group_names: one name per group for the result keys; ``"0", "1", ...`` by default.
-        class_names: one name per class, kept as ``class_names`` for tables and plots.
-        kwargs: torchmetrics ``Metric`` options (``dist_sync_on_step``, ``compute_on_cpu``, ...).
-
-    Example:
-        >>> import torch
-        >>> from fairprune.metrics.group import GroupRates
-        >>> metric = GroupRates(num_classes=3, num_groups=3, group_names=["a", "b", "c"])
-        >>> preds = torch.tensor([0, 1, 2, 2, 1, 0])
-        >>> target = torch.tensor([0, 1, 1, 2, 0, 0])
-        >>> groups = torch.tensor([0, 0, 0, 1, 1, -1])
-        >>> metric.update(preds, target, groups)
-        >>> out = metric.compute()
-        >>> out["acc/a"], out["acc/b"], out["acc_gap"], out["acc"]
-        (tensor(0.6667), tensor(0.5000), tensor(0.1667), tensor(0.6000))
-        >>> "acc/c" in out, out["count/c"], out["present/c"]
-        (False, tensor(0.), tensor(0.))
-        >>> metric.set_reference({"a": 1.0, "b": 1.0})
-        >>> out = metric.compute()
-        >>> out["degradation/a"], out["degradation/b"], out["degradation_std"]
-        (tensor(0.3333), tensor(0.5000), tensor(0.0833))
-    """
-
-    is_differentiable: bool = False
-    higher_is_better: Optional[bool] = None  # accuracy up, gaps and error rates down
-    full_state_update: bool = False
-    plot_lower_bound: float = 0.0
-    plot_upper_bound: float = 1.0
-
-    confusion: Tensor
-    reference: Tensor
-
-    def __init__(
-        self,
-        num_classes: int,
-        num_groups: int,
-        group_names: Optional[Sequence[str]] = None,
-        class_names: Optional[Sequence[str]] = None,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(**kwargs)
-        _check_sizes(num_classes, num_groups)
-        self.num_classes = num_classes
-        self.num_groups = num_groups
-        self.group_names = _names(group_names, num_groups, "group_names", "num_groups")
-        self.class_names = _names(class_names, num_classes, "class_names", "num_classes")
-        self.add_state(
-            "confusion",
-            default=torch.zeros(num_groups, num_classes, num_classes, dtype=torch.long),
-            dist_reduce_fx="sum",
-        )
-        # A buffer rather than a metric state: reset() leaves it alone and state_dict saves it.
-        self.register_buffer("reference", _reference_tensor(None, self.group_names), persistent=True)
-
-    def update(self, preds: Tensor, target: Tensor, groups: Tensor) -> None:
-        """Add a batch of predictions, targets and group ids to the per-group confusion matrices."""
-        self.confusion += _group_confusion(preds, target, groups, self.num_classes, self.num_groups)
-
-    def compute(self) -> dict[str, Tensor]:
-        """Rates, gaps and (with a reference) degradation from the accumulated confusion matrices."""
-        return _group_rates_compute(self.confusion, self.group_names, self.reference)
-
-    def set_reference(self, acc_by_group: Reference) -> None:
-        """Store the reference model's per-group accuracy; None clears it.
-
-        Args:
-            acc_by_group: ``{group name: accuracy}`` (groups left out have no reference), or one
-                accuracy per group as a tensor or list, NaN for a group without a reference.
-        """
-        self.reference.copy_(_reference_tensor(acc_by_group, self.group_names))
-        self._computed = None  # compute() caches its result; the reference changes it
-
-    def reference_from_compute(self, result: Mapping[str, Tensor]) -> None:
-        """Use a result of ``compute()`` (of the dense model) as the reference."""
-        if not any(f"count/{g}" in result for g in self.group_names):
-            raise UserError(
-                f"the result has no entries for the groups {self.group_names}; pass what compute() "
-                "returned for a GroupRates with the same group names"
-            )
-        self.set_reference({g: float(result[f"acc/{g}"]) for g in self.group_names if f"acc/{g}" in result})
-
-    @property
-    def has_reference(self) -> bool:
-        """Whether any group has a reference accuracy."""
-        return bool((~self.reference.isnan()).any())
-
-    def _load_from_state_dict(
-        self,
-        state_dict: dict,
-        prefix: str,
-        local_metadata: dict,
-        strict: bool,
-        missing_keys: list[str],
-        unexpected_keys: list[str],
-        error_msgs: list[str],
-    ) -> None:
-        """Load as usual, but accept checkpoints written before a reference existed (no reference)."""
-        key = prefix + "reference"
-        if key not in state_dict:
-            self.set_reference(None)
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
-        if key in missing_keys:
-            missing_keys.remove(key)
-        self._computed = None
 
 
 # ----------------------------------------------------------------------------------------------

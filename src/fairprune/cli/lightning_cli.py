@@ -1,0 +1,79 @@
+"""The LightningCLI behind ``train.py`` (see :mod:`fairprune.cli.train`), with fairprune's defaults.
+
+- Model and data are chosen in YAML (``class_path`` / ``init_args``); any LightningModule and
+  LightningDataModule of the project (or of the user) works.
+- What the model needs to know about the data (class names, group names) is taken from the
+  data module before the model is built, so configs never repeat it.
+- Every run writes to ``runs/<experiment>/<method>/``: ``config.yaml``, ``metrics.csv``,
+  checkpoints and ``report.json``.
+- A user mistake prints one line, ``error: ...``, and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pkgutil import resolve_name
+from typing import Any
+
+import torch
+from lightning.pytorch.cli import LightningCLI
+
+from fairprune.callbacks.progress import ProgressBar
+from fairprune.callbacks.report import ReportWriter
+from fairprune.cli.guard import guarded
+
+TRAINER_DEFAULTS: dict[str, Any] = {
+    "logger": {
+        "class_path": "lightning.pytorch.loggers.CSVLogger",
+        "init_args": {"save_dir": "runs", "name": "default", "version": "dense"},
+    },
+}
+
+
+# Facts a data module knows that a model needs: linked when the model takes them and the config
+# leaves them unset.
+LINKED = ("class_names", "group_names", "tokenizer_path", "vocab_size")
+
+
+class FairpruneCLI(LightningCLI):
+    """LightningCLI that links data facts into the model and writes reports."""
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        # Always present, whatever callbacks a config lists: every run writes its report.
+        parser.add_lightning_class_args(ReportWriter, "report")
+        parser.add_lightning_class_args(ProgressBar, "progress_bar")
+
+    def before_instantiate_classes(self) -> None:
+        cfg = self.config[self.subcommand] if self.subcommand else self.config
+        data_cfg, model_cfg = cfg.get("data"), cfg.get("model")
+        if not data_cfg or not model_cfg or "class_path" not in data_cfg or "class_path" not in model_cfg:
+            return
+        data_cls = resolve_name(data_cfg.class_path)
+        accepted = inspect.signature(resolve_name(model_cfg.class_path).__init__).parameters
+        wanted = [k for k in LINKED if k in accepted and model_cfg.init_args.get(k) is None]
+        if not wanted:
+            return
+        # Data modules build cheaply (they read no files in __init__), and building one here also
+        # validates the data settings before anything heavy starts.
+        data = data_cls(**dict(data_cfg.get("init_args") or {}))
+        for key in wanted:
+            if hasattr(data, key):
+                value = getattr(data, key)
+                model_cfg.init_args[key] = list(value) if isinstance(value, (list, tuple)) else value
+
+
+def run(args: list[str] | None = None) -> int:
+    """Run the training CLI; return the process exit status."""
+    torch.set_float32_matmul_precision("high")
+    return guarded(lambda: FairpruneCLI(
+        model_class=None,
+        datamodule_class=None,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        trainer_defaults=TRAINER_DEFAULTS,
+        save_config_kwargs={"overwrite": True},
+        parser_kwargs={"exit_on_error": False},
+        args=args,
+    ))
+
+

@@ -1,0 +1,132 @@
+"""FASP step 4 and the whole run: score, select (searching γ when not given), remove the heads and
+report. What a run leaves on disk (the pruned model, the plots, ``report.json``) is written by
+the caller (:func:`fairprune.reporting.runs.write_head_run`); the only file written here is
+``head_scores.csv``, the scoring journal an interrupted run resumes from."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import pandas as pd
+from torch import nn
+
+from fairprune.data.prompts import check_prompts, holistic_prompts, split_prompts
+from fairprune.errors import UserError, suggest
+from fairprune.metrics.toxicity import ToxicityScorer, make_scorer
+from fairprune.pruning import registry
+from fairprune.pruning.fasp.scoring import Evaluator, Generation, head_bias_by_axis, head_bias_impact, score_heads, token_ids
+from fairprune.pruning.fasp.selection import counts, search_gamma, select_heads
+from fairprune.pruning.heads import HeadGates, remove_heads
+
+
+@dataclass
+class FaspRun:
+    """A finished head-pruning run: its report and what its plots show."""
+
+    report: dict[str, Any]
+    axes: list[str]
+    protected: list = field(default_factory=list)
+    removed: list = field(default_factory=list)
+    impact: Any = None  # per-head bias impact grid [layers, heads] (None when heads were not scored)
+    bias_by_axis: pd.DataFrame | None = None  # per-head bias per axis, for the axis correlation plot
+
+
+def run_fasp(
+    model: nn.Module,
+    tokenizer,
+    prompts: pd.DataFrame | None = None,
+    ppl_text: str | Sequence[str] | None = None,
+    method: str = "fasp",
+    gamma: float | None = 0.3,
+    alpha: float = 0.1,
+    axis: str | Sequence[str] = "gender_and_sex",
+    scorer: str | ToxicityScorer = "lexicon",
+    output_dir: str | Path = "runs/fasp",
+    *,
+    eval_text: str | Sequence[str] | None = None,
+    generation: Generation = Generation(),
+    seqlen: int = 128,
+    ppl_batch_size: int = 4,
+    validation: float = 0.2,
+    subgroup: str = "bucket",
+    gammas: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
+    tolerance: float = 0.05,
+    seed: int = 0,
+    loadable: bool = True,
+    progress: bool = True,
+) -> FaspRun:
+    """Score, select and remove heads in place; return the run (report and plot data).
+
+    ``prompts`` defaults to the bundled HolisticBias-format set, ``ppl_text`` to the validation
+    part of the bundled corpus; ``eval_text`` (default ``ppl_text``) gives the reported
+    perplexity. Heads are scored and γ is searched (when ``gamma`` is None) on the validation
+    prompts; the report measures the test prompts. ``axis`` is one axis, several (their biases are
+    summed) or ``"all"``. Head scores are journaled to ``output_dir/head_scores.csv``.
+    """
+    start = time.perf_counter()
+    seconds: dict[str, float] = {}
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = check_prompts(holistic_prompts() if prompts is None else prompts)
+    if subgroup not in prompts.columns:
+        raise UserError(f"subgroup column {subgroup!r} is not in the prompts; use bucket or descriptor")
+    axes = sorted(prompts.axis.unique()) if axis == "all" else [axis] if isinstance(axis, str) else list(axis)
+    val_prompts, test_prompts = split_prompts(prompts, validation, seed, stratify=subgroup)
+    if ppl_text is None:
+        from fairprune.data.text import lm_corpus
+
+        ppl_text = lm_corpus().validation
+    scorer = make_scorer(scorer)
+    common = dict(model=model, tokenizer=tokenizer, scorer=scorer, generation=generation, seqlen=seqlen,
+                  ppl_batch_size=ppl_batch_size, subgroup=subgroup)
+    on_val = Evaluator(prompts=val_prompts, ppl_ids=token_ids(tokenizer, ppl_text), **common)
+    on_test = Evaluator(prompts=test_prompts, ppl_ids=token_ids(tokenizer, eval_text or ppl_text), **common)
+    for a in axes:
+        if a not in set(val_prompts.axis):
+            raise UserError(f"no prompts for axis {a!r}{suggest(a, val_prompts.axis.unique())}; "
+                            f"axes present: {', '.join(sorted(val_prompts.axis.unique()))}")
+    registry.get(method, "heads")
+    # Fail on impossible ratios before the expensive part.
+    counts(HeadGates(model).values.numel(), gamma if method == "fasp" and gamma is not None else 0.0, alpha)
+
+    tick = time.perf_counter()
+    reference = on_test()
+    seconds["reference"] = time.perf_counter() - tick
+
+    gates, scores, search = HeadGates(model), None, None
+    if method in ("fasp", "fairness", "performance"):
+        tick = time.perf_counter()
+        scores = score_heads(on_val, out / "head_scores.csv", gates, progress)
+        seconds["scoring"] = time.perf_counter() - tick
+    tick = time.perf_counter()
+    if method == "fasp" and gamma is None:
+        search = search_gamma(on_val, scores, alpha, axes, gammas, tolerance=tolerance, seed=seed, gates=gates)
+        gamma = search["gamma"]
+    selection = select_heads(method, alpha, scores=scores, model=model, axes=axes, gamma=gamma or 0.0,
+                             ppl_ids=on_val.ppl_ids, seqlen=seqlen, batch_size=ppl_batch_size, seed=seed)
+    seconds["selection"] = time.perf_counter() - tick
+
+    tick = time.perf_counter()
+    removal = remove_heads(model, selection.removed, loadable=loadable)
+    seconds["removal"] = time.perf_counter() - tick
+    tick = time.perf_counter()
+    pruned = on_test()
+    seconds["evaluation"] = time.perf_counter() - tick
+    seconds["total"] = time.perf_counter() - start
+    report = {
+        "method": method, "model": getattr(model.config, "name_or_path", "") or model.config.model_type,
+        "gamma": gamma, "alpha": alpha, "axes": axes, "heads_total": gates.values.numel(),
+        "heads_removed": [list(h) for h in selection.removed], "protected": [list(h) for h in selection.protected],
+        "removal": removal.as_dict(),
+        "metrics": {"perplexity": pruned["perplexity"]}, "fairness": {"bias": pruned["bias"]},
+        "reference": {"method": "dense", "metrics": {"perplexity": reference["perplexity"]},
+                      "fairness": {"bias": reference["bias"]}},
+        "gamma_search": search, "seconds": seconds,
+    }
+    scored = scores is not None
+    return FaspRun(report, axes, list(selection.protected), list(selection.removed),
+                   head_bias_impact(scores, axes) if scored else None,
+                   head_bias_by_axis(scores) if scored and (len(axes) > 1 or prompts.axis.nunique() > 1) else None)

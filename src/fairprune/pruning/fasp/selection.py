@@ -1,0 +1,160 @@
+"""FASP step 3: choosing the heads to remove, by FASP or a baseline, and the search for γ."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import pandas as pd
+import torch
+from torch import nn
+
+from fairprune.errors import UserError
+from fairprune.pruning import registry
+from fairprune.pruning.fasp.scoring import Evaluator, _bias, _heads_only
+from fairprune.pruning.heads import Head, HeadGates, head_weight_norms
+from fairprune.pruning.select import lowest_k
+
+
+@dataclass
+class Selection:
+    """Heads to remove and heads kept on purpose (FASP's protected set)."""
+
+    removed: list[Head]
+    protected: list[Head]
+
+
+def counts(n_heads: int, gamma: float, alpha: float) -> tuple[int, int]:
+    """(protected, removed) head counts for ``γ`` and ``α``; checks that they fit together."""
+    for name, value in (("gamma", gamma), ("alpha", alpha)):
+        if not 0.0 <= value <= 1.0:
+            raise UserError(f"{name} must lie in [0, 1], got {value}")
+    # The small epsilon keeps 0.3 × 10 from flooring to 2.
+    protect, remove = math.floor(gamma * n_heads + 1e-9), math.floor(alpha * n_heads + 1e-9)
+    if remove > n_heads - protect:
+        raise UserError(f"alpha {alpha} removes {remove} of {n_heads} heads but gamma {gamma} leaves only "
+                        f"{n_heads - protect} unprotected; lower alpha or gamma (alpha + gamma <= 1)")
+    return protect, remove
+
+
+def select_fasp(scores: pd.DataFrame, gamma: float, alpha: float, axes: Sequence[str]) -> Selection:
+    """Protect the top γ by perplexity importance; prune the ⌊α·N_h⌋ lowest-bias-when-removed others."""
+    heads = _heads_only(scores).assign(objective=lambda f: _bias(f, axes))
+    protect, remove = counts(len(heads), gamma, alpha)
+    # Stable sorts: ties fall back to (layer, head) order, so the choice is deterministic.
+    by_importance = heads.sort_values("perplexity", ascending=False, kind="stable")
+    protected = by_importance.iloc[:protect]
+    candidates = by_importance.iloc[protect:].sort_values(["objective", "layer", "head"], kind="stable")
+    return Selection(removed=_pairs(candidates.iloc[:remove]), protected=_pairs(protected))
+
+
+def _pairs(frame: pd.DataFrame) -> list[Head]:
+    return sorted(zip(frame.layer.astype(int).tolist(), frame["head"].astype(int).tolist()))
+
+
+def _lowest(values: torch.Tensor, k: int) -> list[Head]:
+    """The ``k`` heads with the smallest value in a ``[layers, heads]`` tensor (ties: layer-major order)."""
+    n = values.shape[1]
+    return [(int(i) // n, int(i) % n) for i in lowest_k(values, k)]
+
+
+def gradient_importance(model: nn.Module, ids: torch.Tensor, seqlen: int, batch_size: int = 4) -> torch.Tensor:
+    """Michel et al. (2019): ``Σ_batches |∂loss/∂gate_h|`` over non-overlapping windows, ``[layers, heads]``."""
+    windows = ids.numel() // seqlen
+    if windows == 0:
+        raise UserError(f"perplexity text has {ids.numel()} tokens, fewer than one window of {seqlen}")
+    device = next(model.parameters()).device
+    gates = HeadGates(model)
+    frozen = {p: p.requires_grad for p in model.parameters()}
+    was_training = model.training
+    model.eval()
+    importance = torch.zeros_like(gates.values)
+    try:
+        # Only the gates need gradients; the weights stay frozen.
+        for p in frozen:
+            p.requires_grad_(False)
+        gates.values.requires_grad_(True)
+        with gates, torch.enable_grad():
+            for batch in ids[: windows * seqlen].view(windows, seqlen).split(batch_size):
+                batch = batch.to(device)
+                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+                (grad,) = torch.autograd.grad(loss, gates.values)
+                importance += grad.abs()
+    finally:
+        gates.values.requires_grad_(False)
+        for p, flag in frozen.items():
+            p.requires_grad_(flag)
+        model.train(was_training)
+    return importance
+
+
+def select_heads(method: str, alpha: float, *, scores: pd.DataFrame | None = None, model: nn.Module | None = None,
+                 axes: Sequence[str] = (), gamma: float = 0.0, ppl_ids: torch.Tensor | None = None,
+                 seqlen: int = 128, batch_size: int = 4, seed: int = 0) -> Selection:
+    """The heads ``method`` removes at ratio ``α`` (FASP or a baseline, the registry's ``heads`` kind)."""
+    registry.get(method, "heads")
+    if method in ("fasp", "fairness", "performance") and scores is None:
+        raise UserError(f"method {method!r} needs head scores; run score_heads first")
+    if method == "fasp":
+        return select_fasp(scores, gamma, alpha, axes)
+    if method == "fairness":
+        return select_fasp(scores, 0.0, alpha, axes)
+    if scores is not None:
+        n_layers, n_heads = int(_heads_only(scores).layer.max()) + 1, int(_heads_only(scores)["head"].max()) + 1
+    else:
+        gates = HeadGates(model)
+        n_layers, n_heads = gates.values.shape
+    _, k = counts(n_layers * n_heads, 0.0, alpha)
+    if method == "performance":
+        heads = _heads_only(scores)
+        return Selection(_lowest(torch.tensor(heads.perplexity.to_numpy()).view(n_layers, n_heads), k), [])
+    if method == "magnitude":
+        return Selection(_lowest(head_weight_norms(model), k), [])
+    if method == "gradient":
+        if ppl_ids is None:
+            raise UserError("the gradient baseline needs perplexity text (ppl_ids)")
+        return Selection(_lowest(gradient_importance(model, ppl_ids, seqlen, batch_size), k), [])
+    order = torch.randperm(n_layers * n_heads, generator=torch.Generator().manual_seed(seed))
+    return Selection(sorted((int(i) // n_heads, int(i) % n_heads) for i in order[:k]), [])
+
+
+def search_gamma(evaluate: Evaluator, scores: pd.DataFrame, alpha: float, axes: Sequence[str],
+                 gammas: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
+                 baselines: Sequence[str] = ("performance", "magnitude", "gradient", "random"),
+                 tolerance: float = 0.05, seed: int = 0, gates: HeadGates | None = None) -> dict:
+    """Pick γ* on the validation prompts by the paper's rule.
+
+    Every baseline and every feasible γ (``⌊α·N⌋ ≤ N − ⌊γ·N⌋``) is applied with gates and
+    measured. γ* has the lowest bias (summed over ``axes``) among the γ whose perplexity is at most
+    ``(1 + tolerance) ×`` the best baseline's; if none qualifies, the γ with the lowest perplexity.
+    """
+    gates = gates or HeadGates(evaluate.model)
+    n = gates.values.numel()
+    trials = []
+    with gates:
+        for method in baselines:
+            chosen = select_heads(method, alpha, scores=scores, model=evaluate.model, ppl_ids=evaluate.ppl_ids,
+                                  seqlen=evaluate.seqlen, batch_size=evaluate.ppl_batch_size, seed=seed)
+            trials.append({"method": method, "gamma": None, **_trial(evaluate, gates, chosen.removed, axes)})
+        for gamma in gammas:
+            if math.floor(alpha * n + 1e-9) > n - math.floor(gamma * n + 1e-9):
+                continue
+            chosen = select_fasp(scores, gamma, alpha, axes)
+            trials.append({"method": "fasp", "gamma": gamma, **_trial(evaluate, gates, chosen.removed, axes)})
+    fasp = [t for t in trials if t["method"] == "fasp"]
+    if not fasp:
+        raise UserError(f"no gamma in {list(gammas)} leaves room to remove alpha={alpha} of the heads; lower alpha")
+    best_baseline = min((t["perplexity"] for t in trials if t["method"] != "fasp"), default=math.inf)
+    within = [t for t in fasp if t["perplexity"] <= best_baseline * (1 + tolerance)]
+    pick = min(within, key=lambda t: t["objective"]) if within else min(fasp, key=lambda t: t["perplexity"])
+    return {"gamma": pick["gamma"], "best_baseline_perplexity": best_baseline, "tolerance": tolerance,
+            "within_tolerance": bool(within), "trials": trials}
+
+
+def _trial(evaluate: Evaluator, gates: HeadGates, removed: list[Head], axes: Sequence[str]) -> dict:
+    gates.set(removed)
+    result = evaluate()
+    gates.clear()
+    return {"perplexity": result["perplexity"], "bias": result["bias"],
+            "objective": sum(result["bias"][a] for a in axes), "removed": len(removed)}

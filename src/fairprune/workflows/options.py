@@ -1,0 +1,114 @@
+"""The typed option groups the workflows take and ``prune.py`` exposes.
+
+``prune.py`` is built from the workflow functions' signatures: a parameter typed with one of these
+dataclasses becomes a group of flat options (``--model``, ``--seqlen``, ...) shared by every command
+that takes it, so an LM option has one name and one meaning everywhere. The two TypedDicts type
+the dictionaries passed on to Lightning: ``--trainer '{max_epochs: 3, accelerator: gpu}'`` and
+``--data '{root: /data/UTKFace}'``; an unknown key is an error, not a silent no-op.
+
+This module imports nothing heavy: ``prune.py --help`` reads it without loading torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TypedDict
+
+
+@dataclass
+class LMOptions:
+    """What every LM command shares: the model, its texts, where it runs.
+
+    Args:
+        model: hub name or folder of a causal LM (e.g. runs/lm/tiny_gpt2/model).
+        calib_text: text file or folder of *.txt the method calibrates or scores on (default: the bundled corpus).
+        eval_text: text measured for perplexity, e.g. WikiText-2 raw test (default: the bundled corpus).
+        pairs: StereoSet JSON or CrowS-Pairs CSV (default: the bundled pairs).
+        nsamples: calibration windows.
+        seqlen: calibration / scoring window length.
+        eval_seqlen: perplexity window length (default: seqlen).
+        device: auto, cpu, cuda, cuda:1 ...
+        seed: seed of the calibration sample, the pair split and generation.
+        trust_remote_code: allow a hub model's own code to run.
+    """
+
+    model: str
+    calib_text: str | None = None
+    eval_text: str | None = None
+    pairs: str | None = None
+    nsamples: int = 128
+    seqlen: int = 128
+    eval_seqlen: int | None = None
+    device: str = "auto"
+    seed: int = 0
+    trust_remote_code: bool = False
+
+    @property
+    def window(self) -> int:
+        """The perplexity window."""
+        return self.eval_seqlen or self.seqlen
+
+
+@dataclass
+class SolverOptions:
+    """SparseGPT's solver settings.
+
+    Args:
+        percdamp: damping added to diag(H), as a fraction of its mean.
+        blocksize: columns solved per block.
+    """
+
+    percdamp: float = 0.01
+    blocksize: int = 128
+
+
+@dataclass
+class HeadOptions:
+    """Attention-head pruning (FASP and its baselines).
+
+    Args:
+        gamma: share of heads protected for perplexity; null = search on the validation prompts.
+        alpha: share of all heads to remove.
+        axis: bias axis (gender_and_sex, race_ethnicity, ...) or 'all'.
+        scorer: 'lexicon' (bundled) or an HF toxicity classifier name or folder.
+        prompts: HolisticBias-format CSV (text,axis,bucket,descriptor); default bundled.
+        max_new_tokens: length of each generated continuation.
+    """
+
+    gamma: float | None = 0.3
+    alpha: float = 0.1
+    axis: str = "gender_and_sex"
+    scorer: str = "lexicon"
+    prompts: str | None = None
+    max_new_tokens: int = 20
+
+
+class TrainerOptions(TypedDict, total=False):
+    """Lightning Trainer arguments passed on by the vision commands."""
+
+    accelerator: str
+    devices: int | str
+    strategy: str
+    num_nodes: int
+    precision: str | int
+    max_epochs: int
+    limit_train_batches: int | float
+    limit_val_batches: int | float
+    limit_test_batches: int | float
+    log_every_n_steps: int
+    enable_progress_bar: bool
+    enable_model_summary: bool
+    num_sanity_val_steps: int
+    deterministic: bool
+    benchmark: bool
+    accumulate_grad_batches: int
+    gradient_clip_val: float
+
+
+class DataOptions(TypedDict, total=False):
+    """Overrides of the data module a checkpoint was trained with."""
+
+    root: str
+    batch_size: int
+    num_workers: int
+    max_samples: int

@@ -1,0 +1,45 @@
+"""Tiny randomly initialised transformers models, one per supported family, shared by the tests.
+
+``BUILDERS[model_type]()`` builds a fresh model (seed torch first for repeatable weights): two
+layers, four attention heads of width 16, a vocabulary of :data:`VOCAB` tokens. ``builder(model_type,
+**overrides)`` gives the same model with some config fields changed (``None`` drops a field, so the
+config's default applies).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import transformers as tf
+
+VOCAB = 96
+TOKENS = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+_SHAPE = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                vocab_size=VOCAB, max_position_embeddings=64)
+
+# model_type → (model class, config class, config fields)
+SPECS: dict[str, tuple[type, type, dict[str, Any]]] = {
+    "gpt2": (tf.GPT2LMHeadModel, tf.GPT2Config,
+             dict(n_layer=2, n_embd=64, n_head=4, vocab_size=VOCAB, n_positions=64, **TOKENS)),
+    "gpt_neo": (tf.GPTNeoForCausalLM, tf.GPTNeoConfig,
+                dict(num_layers=2, hidden_size=64, num_heads=4, vocab_size=VOCAB, max_position_embeddings=64,
+                     attention_types=[[["global", "local"], 1]], window_size=8, intermediate_size=128, **TOKENS)),
+    "opt": (tf.OPTForCausalLM, tf.OPTConfig,
+            dict(num_hidden_layers=2, hidden_size=64, ffn_dim=128, num_attention_heads=4, vocab_size=VOCAB,
+                 max_position_embeddings=64, word_embed_proj_dim=32, **TOKENS)),  # exercises project_in
+    "llama": (tf.LlamaForCausalLM, tf.LlamaConfig, dict(**_SHAPE, num_key_value_heads=2, **TOKENS)),
+    "mistral": (tf.MistralForCausalLM, tf.MistralConfig, dict(**_SHAPE, num_key_value_heads=2, **TOKENS)),
+    "bert": (tf.BertForMaskedLM, tf.BertConfig, dict(**_SHAPE, pad_token_id=0)),
+    "roberta": (tf.RobertaForMaskedLM, tf.RobertaConfig,
+                dict(_SHAPE, max_position_embeddings=68, pad_token_id=1)),  # RoBERTa offsets positions by pad + 1
+}
+
+
+def builder(model_type: str, **overrides: Any) -> Callable[[], tf.PreTrainedModel]:
+    """A zero-argument function building the tiny ``model_type`` model, config fields overridden."""
+    model_class, config_class, fields = SPECS[model_type]
+    fields = {k: v for k, v in {**fields, **overrides}.items() if v is not None}
+    return lambda: model_class(config_class(**fields))
+
+
+BUILDERS: dict[str, Callable[[], tf.PreTrainedModel]] = {name: builder(name) for name in SPECS}
