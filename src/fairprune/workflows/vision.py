@@ -76,16 +76,8 @@ def prune_vision(
     return report
 
 
-def _prune(
-    ckpt: str,
-    pruning: dict[str, Any],
-    output: str = "runs/prune",
-    name: str | None = None,
-    trainer: TrainerOptions | None = None,
-    data: DataOptions | None = None,
-    resume: str | None = None,
-    seed: int = 0,
-) -> tuple[dict[str, Any], IterativePruning]:
+def _prune(ckpt: str, pruning: dict[str, Any], output: str, name: str | None, trainer: TrainerOptions | None,
+           data: DataOptions | None, resume: str | None = None, seed: int = 0) -> tuple[dict[str, Any], IterativePruning]:
     """The run behind :func:`prune_vision`: its report and the pruning callback (FairGRAPE's shares)."""
     L.seed_everything(seed, workers=True, verbose=False)
     callback = IterativePruning(**pruning)
