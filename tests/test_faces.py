@@ -82,7 +82,9 @@ def utk_root(tmp_path):
 
 def test_utkface_reads_both_name_styles_and_warns_once_for_malformed(utk_root):
     frame, messages = caught(read_utkface, utk_root)
-    assert len(messages) == 1 and "skipped 3" in messages[0]
+    malformed = [m for m in messages if "whose name is not" in m]
+    assert len(malformed) == 1 and "skipped 3" in malformed[0]
+    assert frame.attrs["skipped"]["malformed_name"] == 3
     expected = {Path(n).name: utk_fields(n) for n in UTK_GOOD if utk_fields(n)[2] != 4}
     got = {Path(p).name: (t, g) for p, t, g in zip(frame["path"], frame["target"], frame["group"])}
     assert got == {name: (gender, race) for name, (_, gender, race) in expected.items()}
@@ -92,8 +94,13 @@ def test_utkface_reads_both_name_styles_and_warns_once_for_malformed(utk_root):
 
 
 def test_utkface_others_left_out_by_default_and_kept_on_request(utk_root):
-    default, _ = caught(read_utkface, utk_root)
-    kept, _ = caught(read_utkface, utk_root, include_others=True)
+    default, messages = caught(read_utkface, utk_root)
+    kept, kept_messages = caught(read_utkface, utk_root, include_others=True)
+    # Left out with one warning line that says how to keep them, and counted.
+    others = [m for m in messages if "Others" in m]
+    assert len(others) == 1 and "left out 1 " in others[0] and "--data.include_others true" in others[0]
+    assert default.attrs["skipped"] == {"malformed_name": 3, "others": 1}
+    assert not any("Others" in m for m in kept_messages) and kept.attrs["skipped"]["others"] == 0
     assert 4 not in set(default["race"]) and 4 not in set(default["group"])
     assert len(kept) == len(default) + 1 and set(kept[kept["race"] == 4]["group"]) == {4}
     assert task_info("utkface", "race", "gender", include_others=True)[0][-1] == "Others"
@@ -274,19 +281,119 @@ def test_corrupt_image_dropped_once_with_count(utk_root):
     (utk_root / UTK_GOOD[0]).write_bytes(b"not a jpeg at all")
     frame, _ = caught(read_utkface, utk_root)
     kept, messages = caught(drop_unreadable, frame)
-    assert len(messages) == 1 and "dropped 1 " in messages[0]
+    assert len(messages) == 1 and "dropped 1 unreadable" in messages[0] and UTK_GOOD[0] in messages[0]
     assert len(kept) == len(frame) - 1 and not kept["path"].str.endswith(UTK_GOOD[0]).any()
+    assert kept.attrs["skipped"] == {"malformed_name": 3, "others": 1, "missing": 0, "unreadable": 1}
 
 
-def test_image_failing_mid_epoch_is_substituted_and_counted(utk_root):
+def truncate(path: Path) -> None:
+    """Make ``path`` a JPEG cut off half-way through its pixel data (as an interrupted copy
+    leaves it): PIL still opens and ``verify``s it, only decoding the pixels fails."""
+    pixels = np.random.default_rng(len(path.name)).integers(0, 255, (32, 32, 3), dtype=np.uint8)
+    Image.fromarray(pixels).save(path, format="JPEG")
+    data = path.read_bytes()
+    scan = data.index(b"\xff\xda")  # start of scan: the entropy-coded pixels follow
+    path.write_bytes(data[: scan + (len(data) - scan) // 2])
+    with Image.open(path) as image:
+        image.verify()  # the damage a header check cannot see
+
+
+def test_truncated_jpeg_is_found_by_decoding_and_left_out(utk_root):
+    truncate(utk_root / UTK_GOOD[1])
+    frame, _ = caught(read_utkface, utk_root)
+    kept, messages = caught(drop_unreadable, frame)
+    assert len(messages) == 1 and "dropped 1 unreadable" in messages[0] and "truncated" in messages[0]
+    assert not kept["path"].str.endswith(UTK_GOOD[1]).any() and len(kept) == len(frame) - 1
+
+
+def test_missing_image_is_counted_apart_from_unreadable(tmp_path):
+    root = write_fairface(tmp_path / "fairface")
+    (root / FAIRFACE_TRAIN[0][0]).unlink()
+    dm = FaceDataModule("fairface", root=str(root))
+    _, messages = caught(dm.setup, "fit")
+    assert dm.report_fields()["data"]["skipped"] == {"missing": 1, "unreadable": 0}
+    missing = [m for m in messages if "missing from the disk" in m]
+    assert len(missing) == 1 and "dropped 1 " in missing[0] and FAIRFACE_TRAIN[0][0] in missing[0]
+
+
+def test_image_damaged_after_setup_is_an_error_not_a_substitute(utk_root):
     frame, _ = caught(read_utkface, utk_root)
     dataset = FaceDataset(frame)
-    expected = dataset[1]
-    Path(frame["path"][0]).write_bytes(b"\xff\xd8 broken after validation")
-    (image, target, group), messages = caught(dataset.__getitem__, 0)
-    assert torch.equal(image, expected[0]) and (target, group) == (expected[1], expected[2])
-    assert dataset.num_failed == 1 and len(messages) == 1
+    image, target, group = dataset[1]
     assert target.dtype == group.dtype == torch.int64
+    Path(frame["path"][0]).write_bytes(b"\xff\xd8 broken after validation")
+    with pytest.raises(UserError, match=f"cannot load image '.*{Path(frame['path'][0]).name}'.*changed during the run"):
+        dataset[0]
+    assert torch.equal(dataset[1][0], image)  # the others still load, each as itself
+
+
+def test_the_only_sample_of_a_group_is_left_out_and_counted_never_replaced(tmp_path):
+    """A damaged image is not served as a copy of its neighbour: the group is absent from the
+    split, the warnings say so, and ``data.skipped`` counts it by reason."""
+    root = tmp_path / "utk"
+    names = [f"{20 + i}_{i % 2}_{race}_2017{i:09d}.jpg.chip.jpg" for i, race in enumerate([0, 1, 3] * 12 + [2] * 12)]
+    for i, name in enumerate(names):
+        write_jpeg(root / name, colour=(5 * i, 100, 50), size=16)
+    write_jpeg(root / "70_1_4_20170101000000005.jpg.chip.jpg")  # Others
+    write_jpeg(root / "39_1_20170116174525125.jpg.chip.jpg")  # malformed
+    frame, _ = caught(read_utkface, root)
+    asian_test = frame[(frame["split"] == "test") & (frame["group"] == 2)]["path"].tolist()
+    for extra in asian_test[1:]:  # keep the test split's only Asian face
+        Path(extra).unlink()
+    assert asian_test, "the fixture needs an Asian face in the test split"
+    truncate(Path(asian_test[0]))
+
+    dm = FaceDataModule("utkface", root=str(root), image_size=16, batch_size=4)
+    _, messages = caught(dm.setup, "test")
+    assert not (dm.test_frame["group"] == 2).any() and asian_test[0] not in set(dm.test_frame["path"])
+    fields = dm.report_fields()["data"]
+    assert fields["skipped"] == {"malformed_name": 1, "others": 1, "missing": 0, "unreadable": 1}
+    assert fields["samples"] == {s: len(f) for s, f in zip(("train", "val", "test"),
+                                                             (dm.train_frame, dm.val_frame, dm.test_frame))}
+    assert sum("dropped 1 unreadable" in m for m in messages) == 1
+    assert sum("Asian in test" in m for m in messages) == 1
+    # Every item is its own row: the group served is the one in the file's name.
+    served = torch.cat([g for _, _, g in dm.test_dataloader()]).tolist()
+    assert served == [int(Path(p).name.split("_")[2]) for p in dm.test_frame["path"]]
+
+
+def test_image_checks_are_cached_per_file_and_redone_when_a_file_changes(tmp_path, monkeypatch):
+    import fairprune.data.faces.images as images
+
+    root = tmp_path / "utk"
+    paths = [str(root / f"2{i}_0_{i % 4}_2017{i:09d}.jpg.chip.jpg") for i in range(6)]
+    for i, path in enumerate(paths):
+        write_jpeg(Path(path), colour=(30 * i, 0, 0))
+    decoded = []
+    real = images.load_rgb
+    monkeypatch.setattr(images, "load_rgb", lambda path: decoded.append(path) or real(path))
+    assert images.check_images(paths) == [None] * 6 and sorted(decoded) == sorted(paths)
+    decoded.clear()
+    assert images.check_images(paths) == [None] * 6 and decoded == []  # from the cache: no decoding
+    truncate(Path(paths[2]))  # size and modification time change: checked again, alone
+    problems = images.check_images(paths)
+    assert decoded == [paths[2]] and problems[2][0] == "unreadable" and problems[:2] == [None, None]
+    decoded.clear()
+    assert images.check_images(paths)[2][0] == "unreadable" and decoded == []  # failures are cached too
+
+
+def test_report_json_counts_what_the_data_left_out(tmp_path, repo_root):
+    """``data.skipped`` reaches report.json through the ReportWriter."""
+    import json
+
+    from fairprune.cli.train import main
+
+    root = tmp_path / "utk"
+    for i in range(40):
+        write_jpeg(root / f"{20 + i}_{i % 2}_{i % 5}_2017{i:09d}.jpg.chip.jpg", colour=(6 * i, 90, 40), size=16)
+    truncate(root / "21_1_1_2017000000001.jpg.chip.jpg")
+    status = main(["fit", "--config", str(repo_root / "configs" / "vision" / "demo.yaml"), "--data.dataset", "utkface",
+                   "--data.root", str(root), "--data.image_size", "32", "--data.batch_size", "4",
+                   "--trainer.fast_dev_run", "1", "--trainer.accelerator", "cpu",
+                   "--trainer.default_root_dir", str(tmp_path / "run")])
+    assert status == 0
+    report = json.loads((tmp_path / "run" / "report.json").read_text())
+    assert report["data"]["skipped"] == {"malformed_name": 0, "others": 8, "missing": 0, "unreadable": 1}
 
 
 # --------------------------------------------------------------------------------------------
@@ -449,15 +556,13 @@ def test_no_readable_image_is_a_user_error(tmp_path):
         FaceDataModule("utkface", root=str(tmp_path)).setup()
 
 
-def test_failures_inside_worker_processes_are_counted(utk_root):
+def test_failures_inside_worker_processes_name_the_file(utk_root):
     frame, _ = caught(read_utkface, utk_root)
-    frame = frame.assign(group=np.arange(len(frame)))  # a distinct group per image shows substitutions
     dataset = FaceDataset(frame)
     Path(frame["path"][1]).write_bytes(b"\xff\xd8 broken after validation")
     loader = torch.utils.data.DataLoader(dataset, batch_size=2, num_workers=1)
-    groups, _ = caught(lambda: torch.cat([g for _, _, g in loader]).tolist())
-    assert groups == [0, 2] + list(range(2, len(frame)))
-    assert dataset.num_failed == 1  # counted in the worker, seen by the main process
+    with pytest.raises(UserError, match=f"cannot load image '.*{Path(frame['path'][1]).name}'"):
+        [g for _, _, g in loader]
 
 
 def test_tall_images_are_centre_cropped_not_squashed():

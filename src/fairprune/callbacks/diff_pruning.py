@@ -26,7 +26,9 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from fairprune.errors import UserError
 from fairprune.pruning import diff
@@ -48,6 +50,17 @@ def log_alpha_group(pl_module: nn.Module) -> dict[str, Any]:
     alphas = [p for p in diff.alpha_parameters(root) if p.requires_grad]
     lr = next(iter(diff.gates(root).values())).cfg.alpha_lr if alphas else 0.0
     return {"params": alphas, "lr": lr, "weight_decay": 0.0}
+
+
+def _rewrap_ddp(trainer: L.Trainer) -> None:
+    """Under DDP, wrap the module again: DistributedDataParallel fixes the parameters it reduces
+    when it wraps a module and, expecting gradients of the now frozen ``log α``, stops the next
+    step with an "unused parameters" error. Every process runs this (at the same epoch start);
+    the new wrapper starts from rank 0's state."""
+    strategy = trainer.strategy
+    if isinstance(strategy, DDPStrategy) and isinstance(strategy.model, DistributedDataParallel):
+        strategy.model = strategy.lightning_module
+        strategy.configure_ddp()
 
 
 class DiffPruning(L.Callback):
@@ -89,6 +102,9 @@ class DiffPruning(L.Callback):
 
     # -- stage 1: gates --------------------------------------------------------------------------
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from fairprune.callbacks.report import run_dir
+
+        run_dir(trainer)  # resolved on every process (a collective under DDP); rank 0 writes with it later
         root = root_model(pl_module)
         self.register(pl_module)
         if diff.gates(root):  # resumed from a checkpoint, or a second fit on the same module
@@ -147,6 +163,7 @@ class DiffPruning(L.Callback):
         self.kept = diff.magnitude_prune(root_model(pl_module), self.target_fraction, self.score)
         # The log α are frozen now: a fresh optimizer (and scheduler) over what still trains.
         trainer.strategy.setup_optimizers(trainer)
+        _rewrap_ddp(trainer)
         self.seconds["pruning"] = time.perf_counter() - start
         print(f"[diff] epoch {trainer.current_epoch}: kept {self.kept:,} of {diff.gated_total(root_model(pl_module)):,} "
               f"entries ({self.target_fraction:.2%}); fixed-mask fine-tuning", flush=True)

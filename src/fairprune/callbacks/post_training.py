@@ -14,6 +14,7 @@ from typing import Any
 
 import lightning as L
 
+from fairprune import distributed
 from fairprune.callbacks.report import run_dir
 from fairprune.data.pairs import LMTexts, read_pairs, split_pairs
 from fairprune.data.text import stereo_pairs
@@ -58,9 +59,18 @@ class PostTrainingPruning(L.Callback):
         self.settings = {"nsamples": nsamples, "seqlen": seqlen, "percdamp": percdamp, "blocksize": blocksize, "device": device}
         self.report: dict[str, Any] | None = None
 
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        run_dir(trainer)  # resolved on every process (a collective under DDP); rank 0 writes with it later
+
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.is_global_zero or trainer.sanity_checking:
             return
+        # Rank 0 alone, as one process: no sharding of the calibration, no waiting for the
+        # other DDP processes (which have finished fitting and do not come).
+        with distributed.local():
+            self._prune(trainer, pl_module)
+
+    def _prune(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         train_text, val_text = trainer.datamodule.texts()
         if self.method == HEAD_METHOD:
             self._prune_heads(trainer, pl_module, val_text)

@@ -31,7 +31,10 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
 
+from fairprune import distributed
+from fairprune.callbacks.guards import learning_rate, nonfinite_tensor
 from fairprune.errors import UserError
 from fairprune.metrics.group import GroupRates, result_values
 from fairprune.pruning import importance as imp
@@ -49,6 +52,22 @@ def density_schedule(target_sparsity: float, keep_per_iter: float) -> list[float
         d = max(d * keep_per_iter, final)
         densities.append(d)
     return densities
+
+
+def _check_target_sparsity(value: Any) -> None:
+    """A fraction in [0, 1). YAML 1.1 reads an unquoted ``a:b`` as the base-60 number ``60a + b``
+    (``3:2`` → 182), so an N:M pattern arrives here as a large number: say so."""
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if number and 0.0 <= value < 1.0:
+        return
+    hint = ""
+    if number and value >= 60 and float(value).is_integer():
+        a, b = divmod(int(value), 60)
+        hint = (f" (YAML reads an unquoted {a}:{b} as the base-60 (sexagesimal) number {int(value)}; vision "
+                f"pruning takes a fraction of weights, not an N:M pattern)")
+    elif isinstance(value, str) and ":" in value:
+        hint = " (vision pruning takes a fraction of weights, not an N:M pattern)"
+    raise UserError(f"target_sparsity must be a fraction in [0, 1), e.g. 0.9 for 90 % zeros, got {value!r}{hint}")
 
 
 class IterativePruning(L.Callback):
@@ -87,8 +106,7 @@ class IterativePruning(L.Callback):
         seed: int = 0,
     ) -> None:
         registry.get(method, "vision")
-        if not 0.0 <= target_sparsity < 1.0:
-            raise UserError(f"target_sparsity must be in [0, 1), got {target_sparsity}")
+        _check_target_sparsity(target_sparsity)
         if not 0.0 < keep_per_iter < 1.0:
             raise UserError(f"keep_per_iter must be in (0, 1), got {keep_per_iter}; FairGRAPE uses 0.9")
         if retrain_epochs < 1 or start_epoch < 0 or score_batches < 1:
@@ -115,6 +133,11 @@ class IterativePruning(L.Callback):
     def last_epoch_needed(self) -> int:
         """Epochs a fit needs to take every step and retrain after the last one."""
         return self.start_epoch + len(self.densities) * self.retrain_epochs
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        from fairprune.callbacks.report import run_dir
+
+        run_dir(trainer)  # resolved on every process (a collective under DDP); rank 0 writes with it later
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         needed = self.last_epoch_needed
@@ -146,16 +169,25 @@ class IterativePruning(L.Callback):
 
     def prune_step(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         density = self.densities[self.steps_done]
+        bad = nonfinite_tensor(pl_module)  # NaN weights cannot be scored (and NaN·0 hides a mask)
+        if bad is not None:
+            lr = learning_rate(trainer)
+            raise UserError(f"pruning step {self.steps_done + 1} at epoch {trainer.current_epoch}: weight {bad} is NaN / inf; "
+                            f"training diverged (the learning rate{f' {lr:g}' if lr is not None else ''} is likely too high: "
+                            "lower it and train again)")
         was_training = pl_module.training
         pl_module.eval()  # deterministic scores: no dropout, BatchNorm uses running statistics
         start = time.perf_counter()
         if self.reference is None:
             self._set_reference(trainer, pl_module)
         targets = self._targets(pl_module)
-        with torch.enable_grad():
+        # Every process scores the whole importance set as one process would (no sharding, no
+        # reduction: the scores are bitwise one process's), then takes rank 0's masks, so the
+        # replicas can never prune differently (rank 0's checkpoint is the run's).
+        with torch.enable_grad(), distributed.local():
             scores = self._scores(trainer, pl_module, targets)
         scored = time.perf_counter()
-        keeps = self._select(targets, scores, density)
+        keeps = trainer.strategy.broadcast(self._select(targets, scores, density), src=0)
         for target, keep in zip(targets, keeps):
             apply_mask(target, keep)
         if self.method == "lottery" and self._rewind is not None:
@@ -246,8 +278,9 @@ class IterativePruning(L.Callback):
 
             from fairprune.callbacks.report import run_dir
 
-            run_dir(trainer).mkdir(parents=True, exist_ok=True)
-            pd.DataFrame(self.share_rows()).to_csv(run_dir(trainer) / "group_shares.csv", index=False)
+            from fairprune.reporting.atomic import write_csv
+
+            write_csv(run_dir(trainer) / "group_shares.csv", pd.DataFrame(self.share_rows()), index=False)
 
     def report_fields(self) -> dict[str, Any]:
         fields: dict[str, Any] = {"method": self.method, "target_sparsity": self.target_sparsity,
@@ -263,13 +296,15 @@ class IterativePruning(L.Callback):
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps_done": self.steps_done, "reference": self.reference, "history": self.history,
-                "rewind": self._rewind, "method": self.method, "densities": self.densities}
+                "rewind": self._rewind, "method": self.method, "densities": self.densities,
+                "shares": self.shares, "group_labels": self._group_labels}  # a resumed run's group_shares.csv keeps every step
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("method") != self.method or state.get("densities") != self.densities:
             raise UserError("the checkpoint was pruned with a different method or schedule; resume with the same callback settings")
         self.steps_done, self.reference, self.history = state["steps_done"], state["reference"], state["history"]
         self._rewind = state.get("rewind")
+        self.shares, self._group_labels = list(state.get("shares", [])), list(state.get("group_labels", []))
 
 
 
@@ -280,11 +315,15 @@ def _weight_param(t: Target) -> torch.Tensor:
 @torch.no_grad()
 def evaluate(pl_module: L.LightningModule, loader) -> dict[str, Any]:
     """Per-group figures of ``pl_module`` on ``loader`` (used for the dense reference), nested as
-    reports hold them."""
+    reports hold them.
+
+    Under DDP every process must call it: a loader with a ``DistributedSampler`` (the data
+    modules' unpadded evaluation shards) is this process's share and the counts are summed over
+    the processes; any other loader is the whole split on every process and is not summed."""
     metric = GroupRates(len(pl_module.class_names), len(pl_module.group_names), pl_module.group_names).to(pl_module.device)
     for x, y, g in loader:
         metric.update(pl_module(x.to(pl_module.device)), y.to(pl_module.device), g.to(pl_module.device))
-    return result_values(metric.result())
+    return result_values(metric.result(sync=isinstance(getattr(loader, "sampler", None), DistributedSampler)))
 
 
 @torch.no_grad()

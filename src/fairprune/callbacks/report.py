@@ -4,19 +4,34 @@ model's transformers folder (``<run>/model``) when training ends."""
 from __future__ import annotations
 
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pandas as pd
 
+from fairprune.callbacks.history import continue_metrics
 from fairprune.pruning.masks import achieved_sparsity, prunable_targets, sparsity_table
+from fairprune.reporting.atomic import write_csv
 from fairprune.reporting.report import Report, group_table, markdown, write_json
 
 
+_RUN_DIRS: "weakref.WeakKeyDictionary[L.Trainer, Path]" = weakref.WeakKeyDictionary()
+
+
 def run_dir(trainer: L.Trainer) -> Path:
-    """The run folder: the logger's folder (``runs/<experiment>/<method>``) or the root dir."""
-    return Path(trainer.log_dir or trainer.default_root_dir)
+    """The run folder: the logger's folder (``runs/<experiment>/<method>``) or the root dir.
+
+    Under DDP ``trainer.log_dir`` is a broadcast from rank 0 that every process must join, so the
+    folder is resolved once per trainer in a hook every process runs (each callback that writes
+    calls this in its ``setup``) and remembered: later calls, rank 0's alone included, start no
+    collective.
+    """
+    found = _RUN_DIRS.get(trainer)
+    if found is None:
+        found = _RUN_DIRS[trainer] = Path(trainer.log_dir or trainer.default_root_dir)
+    return found
 
 
 class ReportWriter(L.Callback):
@@ -28,6 +43,11 @@ class ReportWriter(L.Callback):
     A model that defines ``export_parts() -> list`` (a causal LM: its transformers model and
     tokenizer) has each part written with ``save_pretrained`` to ``<run>/model`` when training
     ends, by the first process only; models never write run folders themselves.
+
+    A fit resumed from a checkpoint keeps its history: ``metrics.csv`` continues (when the caller
+    remembered it before the fit: :func:`fairprune.callbacks.history.remember_metrics`),
+    ``seconds.total`` adds the time before the checkpoint (kept in this callback's checkpoint state)
+    and the report says ``"resumed": {"from_epoch", "from_step"}``.
     """
 
     def __init__(self, filename: str = "report.json", print_table: bool = True) -> None:
@@ -36,12 +56,18 @@ class ReportWriter(L.Callback):
         self._start = time.perf_counter()
         self._fitted = False
         self.reports: dict[str, Report] = {}  # the last report written per split, for the caller
+        self._seconds_before = self._seconds_restored = 0.0  # the run's seconds before the checkpoint it resumed from
+        self._resuming = False
+        self.resumed: dict[str, int] | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # A fit followed by a test on the same trainer (pruning runs) counts from the fit's start.
         if stage == "fit" or not self._fitted:
             self._start = time.perf_counter()
         self._fitted = self._fitted or stage == "fit"
+        if stage == "fit":
+            self._seconds_before, self._seconds_restored, self._resuming, self.resumed = 0.0, 0.0, False, None
+        run_dir(trainer)  # on every process: later, rank 0 alone writes without a collective
 
     def _fields(self, trainer: L.Trainer) -> dict[str, Any]:
         fields: dict[str, Any] = {"method": "dense"}
@@ -57,7 +83,7 @@ class ReportWriter(L.Callback):
 
     def write(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> Report | None:
         results = getattr(pl_module, "last_results", {}).get(stage)
-        if not results or trainer.sanity_checking or not trainer.is_global_zero:
+        if not results or trainer.sanity_checking:
             return None
         targets = prunable_targets(pl_module)
         report: Report = {
@@ -72,13 +98,18 @@ class ReportWriter(L.Callback):
             report["reference"] = {"method": reference.get("method", "dense"), **reference[stage]}
         report["achieved_sparsity"] = achieved_sparsity(targets)
         report.update({"metrics": {}, "groups": {}, "fairness": {}, **results})  # as the module measured them
-        report.setdefault("seconds", {})["total"] = time.perf_counter() - self._start
+        report.setdefault("seconds", {})["total"] = self._elapsed()
+        if self.resumed is not None:
+            report["resumed"] = dict(self.resumed)
+        if not trainer.is_global_zero:  # under DDP every process returns the (synced) figures; rank 0 alone writes
+            self.reports[stage] = report
+            return report
         out = run_dir(trainer)
         write_json(out / self.filename, report)
         table = group_table(report)
         if len(table):
-            table.to_csv(out / "groups.csv")
-        pd.DataFrame(sparsity_table(targets)).to_csv(out / "sparsity.csv", index=False)
+            write_csv(out / "groups.csv", table)
+        write_csv(out / "sparsity.csv", pd.DataFrame(sparsity_table(targets)), index=False)
         if self.print_table:
             print(f"\n{stage} results ({report['method']}, {out / self.filename}):")
             if len(table):
@@ -100,6 +131,26 @@ class ReportWriter(L.Callback):
 
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.write(trainer, pl_module, "val")
+
+    # -- resume: the history before the checkpoint -----------------------------------------------
+    def _elapsed(self) -> float:
+        return self._seconds_before + time.perf_counter() - self._start
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        self._resuming = trainer.state.fn == "fit"  # a fit resumed from a checkpoint (not a test of one)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # The training state is restored now: epoch and step are where the resumed run goes on.
+        if self._resuming:
+            self._seconds_before = self._seconds_restored
+            self.resumed = {"from_epoch": trainer.current_epoch, "from_step": trainer.global_step}
+            continue_metrics(trainer, trainer.current_epoch, trainer.global_step)  # remembered before the fit
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"seconds": self._elapsed()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._seconds_restored = float(state.get("seconds", 0.0))
 
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.write(trainer, pl_module, "test")

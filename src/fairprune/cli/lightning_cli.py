@@ -18,6 +18,8 @@ from typing import Any
 import torch
 from lightning.pytorch.cli import LightningCLI
 
+from fairprune.callbacks.guards import FiniteCheck, RunFolderLock
+from fairprune.callbacks.history import remember_metrics
 from fairprune.callbacks.progress import ProgressBar
 from fairprune.callbacks.report import ReportWriter
 from fairprune.cli.guard import guarded
@@ -42,6 +44,19 @@ class FairpruneCLI(LightningCLI):
         # Always present, whatever callbacks a config lists: every run writes its report.
         parser.add_lightning_class_args(ReportWriter, "report")
         parser.add_lightning_class_args(ProgressBar, "progress_bar")
+        # ... stops at a NaN / inf loss or weight before anything is saved, and holds its folder's lock.
+        parser.add_lightning_class_args(FiniteCheck, "finite")
+        parser.add_lightning_class_args(RunFolderLock, "lock")
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
+        # The always-present progress bar steps aside when the user turns progress bars off
+        # (Lightning refuses a progress-bar callback with enable_progress_bar: false).
+        if config.get("enable_progress_bar") is False:
+            callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
+        return super()._instantiate_trainer(config, callbacks)
+
+    def before_fit(self) -> None:
+        remember_metrics(self.trainer)  # --ckpt_path: the resumed run's metrics.csv keeps the rows before it
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config

@@ -82,7 +82,7 @@ def compare(methods: list[str], output: str = "runs/compare", ckpt: str | None =
     if ckpt is not None:
         from fairprune.workflows.vision import compare_vision
 
-        return compare_vision(ckpt, methods, [float(s) for s in sparsities], dict(pruning), output, dict(trainer),
+        return compare_vision(ckpt, methods, [_fraction(s) for s in sparsities], dict(pruning), output, dict(trainer),
                               dict(data), seed)
     lm = dataclasses.replace(lm, model=model)
     if alphas:
@@ -92,6 +92,14 @@ def compare(methods: list[str], output: str = "runs/compare", ckpt: str | None =
     from fairprune.workflows.lm import compare_lm
 
     return compare_lm(lm, methods, [str(s) for s in sparsities], output, solver)
+
+
+def _fraction(value: str | float) -> float:
+    """A vision sparsity: a fraction (vision pruning takes no N:M pattern)."""
+    try:
+        return float(value)
+    except ValueError:
+        raise UserError(f"vision sparsities are fractions in [0, 1), got '{value}' (N:M patterns are for LM pruning)") from None
 
 
 def diff_compare(train_config: str, overrides: list[str] = [], target_fraction: float = 0.005, epochs: int = 3,
@@ -111,8 +119,10 @@ def diff_compare(train_config: str, overrides: list[str] = [], target_fraction: 
     import warnings
 
     from fairprune.cli.lightning_cli import FairpruneCLI
+    from fairprune.reporting.report import check_writable
     from fairprune.workflows.diff import compare_diff_pruning
 
+    check_writable(output)  # before the model is built
     warnings.filterwarnings("ignore", message="LightningCLI's args parameter")  # prune.py's own argv is not train.py's
     cli = FairpruneCLI(model_class=None, datamodule_class=None, subclass_mode_model=True, subclass_mode_data=True,
                        run=False, save_config_callback=None, parser_kwargs={"exit_on_error": False},

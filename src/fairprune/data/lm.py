@@ -15,23 +15,11 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from fairprune.data.text import join_documents, train_bpe_tokenizer, write_lm_corpus
+from fairprune.data.text import train_bpe_tokenizer, write_lm_corpus
+from fairprune.data.files import read_text
 from fairprune.errors import UserError
 from fairprune.hub import cache_dir, load_tokenizer
 
-
-
-def read_text(path: str | Path) -> str:
-    """A text file, or every ``*.txt`` of a folder joined with blank lines."""
-    path = Path(path)
-    if path.is_dir():
-        files = sorted(path.glob("*.txt"))
-        if not files:
-            raise UserError(f"folder '{path}' holds no .txt files; give a text file or a folder of them")
-        return join_documents(f.read_text(encoding="utf-8") for f in files)
-    if not path.is_file():
-        raise UserError(f"text file '{path}' does not exist; give a path to a .txt file (or leave it unset for the bundled corpus)")
-    return path.read_text(encoding="utf-8")
 
 
 def pack(ids: torch.Tensor, seqlen: int) -> torch.Tensor:

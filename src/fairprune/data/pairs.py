@@ -15,8 +15,7 @@ from typing import NamedTuple
 
 import pandas as pd
 
-from fairprune.data.files import read_user_csv
-from fairprune.data.lm import read_text
+from fairprune.data.files import read_text, read_user_csv
 from fairprune.data.text import lm_corpus, stereo_pairs
 from fairprune.errors import UserError
 

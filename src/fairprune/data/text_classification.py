@@ -25,6 +25,7 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+from fairprune.data.shards import eval_sampler
 from fairprune.errors import UserError
 from fairprune.hub import cache_dir, load_tokenizer, resolve_name
 
@@ -351,7 +352,8 @@ class TextClassificationDataModule(L.LightningDataModule):
         self.setup()
         enc = self._encoded[split]
         items = list(zip(enc["ids"], enc["labels"], enc["groups"]))
-        return DataLoader(items, batch_size=self.hparams.batch_size, shuffle=shuffle, collate_fn=self._collate,
+        sampler = None if shuffle else eval_sampler(len(items))  # under DDP: this process's unpadded shard
+        return DataLoader(items, batch_size=self.hparams.batch_size, shuffle=shuffle, sampler=sampler, collate_fn=self._collate,
                           num_workers=self.hparams.num_workers, persistent_workers=self.hparams.num_workers > 0)
 
     def train_dataloader(self) -> DataLoader:

@@ -8,6 +8,10 @@
   the model gives the stereotypical sentence the higher total log-likelihood: 0.5 is unbiased,
   1.0 always prefers the stereotype. Exact ties count one half.
 * :func:`measure_lm` gives both for a model, the figures every LM report carries.
+
+Under ``torch.distributed`` (``torchrun``, see :mod:`fairprune.distributed`) both are collective:
+each rank scores its shard of the windows / pairs and the sums (NLL and token count; wins and pair
+count) are added across ranks, so every rank returns the figure of the whole set.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fairprune import distributed
 from fairprune.data.text import encode_sentence, join_documents
 from fairprune.errors import UserError
 
@@ -35,6 +40,7 @@ def perplexity(
     """Perplexity over non-overlapping ``seqlen`` windows (default: the model's context length).
 
     ``text_or_ids`` is a text, a list of documents, or already tokenized ids (1-D or [1, n]).
+    Under ``torch.distributed`` each rank runs its share of the windows (every rank must call).
     """
     ids = _token_stream(text_or_ids, tokenizer)
     limit = _context_length(model)
@@ -44,15 +50,16 @@ def perplexity(
     windows = ids.numel() // seqlen
     if windows == 0:
         raise UserError(f"evaluation text has {ids.numel()} tokens, fewer than one window of {seqlen}; give more text or a smaller seqlen")
-    ids = ids[: windows * seqlen].view(windows, seqlen)
+    ids = distributed.shard(ids[: windows * seqlen].view(windows, seqlen))
     with _on_device(model, device) as run_device:
-        nll, count = 0.0, 0
-        for batch in ids.split(batch_size):
+        sums = torch.zeros(2, dtype=torch.float64, device=run_device)  # NLL, predicted tokens
+        for batch in ids.split(batch_size) if len(ids) else ():
             batch = batch.to(run_device)
             logits = model(input_ids=batch, use_cache=False).logits.float()
             loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
-            nll += float(loss.double())
-            count += batch[:, 1:].numel()
+            sums[0] += loss.double()
+            sums[1] += batch[:, 1:].numel()
+        nll, count = distributed.all_reduce_sum(sums).tolist()
     return math.exp(nll / count)
 
 
@@ -81,13 +88,19 @@ def sentence_log_likelihoods(
 
 
 def stereotype_score(model: nn.Module, tokenizer, pairs: list[tuple[str, str]], device=None, batch_size: int = 16) -> float:
-    """Share of (stereotypical, anti-stereotypical) pairs where the stereotype is more likely (0.5 ideal)."""
+    """Share of (stereotypical, anti-stereotypical) pairs where the stereotype is more likely (0.5 ideal).
+    Under ``torch.distributed`` each rank scores its share of the pairs (every rank must call)."""
     if not pairs:
         raise UserError("no sentence pairs given; pass (stereotypical, anti-stereotypical) pairs, e.g. from read_stereoset")
-    scores = sentence_log_likelihoods(model, tokenizer, [s for pair in pairs for s in pair], device, batch_size)
-    stereo, anti = scores[0::2], scores[1::2]
-    wins = (stereo > anti).double() + 0.5 * (stereo == anti).double()
-    return float(wins.mean())
+    mine = distributed.shard(list(pairs))
+    sums = torch.zeros(2, dtype=torch.float64)  # wins (ties count one half), pairs
+    if mine:
+        scores = sentence_log_likelihoods(model, tokenizer, [s for pair in mine for s in pair], device, batch_size)
+        stereo, anti = scores[0::2], scores[1::2]
+        sums[0] = ((stereo > anti).double() + 0.5 * (stereo == anti).double()).sum()
+        sums[1] = len(mine)
+    wins, count = distributed.all_reduce_sum(sums).tolist()
+    return wins / count
 
 
 def _token_stream(text_or_ids, tokenizer) -> torch.Tensor:

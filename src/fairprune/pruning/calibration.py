@@ -12,7 +12,9 @@ The loop that SparseGPT, Debias-SparseGPT and Wanda share:
 
 Only the embedding front and one block are on the compute device at a time, so models larger
 than device memory can be pruned with the rest left on CPU. Statistics objects are plain
-tensors that reduce themselves across processes (see ``sparsegpt.Hessian.value``).
+tensors that reduce themselves across processes (see ``sparsegpt.Hessian.value``): under
+``torchrun`` each rank runs this loop on its shard of the batches (``llm.prune_causal_lm`` shards
+them) and the layers are pruned from the statistics of all ranks.
 
 Aligned pairs (Debias-SparseGPT) travel as one batch ``cat([side0, side1])``; the layer hook
 splits it back in halves and calls ``stat.add_pair(x0, x1, mask)``.
@@ -57,7 +59,7 @@ def make_inputs(
     """Split plain ids [n, seq] and aligned pairs (ids0, ids1[, mask]) into calibration batches."""
     inputs = []
     if calib_ids is not None:
-        inputs += [CalibInput(chunk) for chunk in calib_ids.split(batch_size)]
+        inputs += [CalibInput(chunk) for chunk in calib_ids.split(batch_size) if len(chunk)]  # a rank's share may be empty
     if pairs is not None:
         ids0, ids1 = pairs[0], pairs[1]
         mask = pairs[2] if len(pairs) > 2 else None

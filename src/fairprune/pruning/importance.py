@@ -6,8 +6,11 @@ per-group score) over the given :class:`~fairprune.pruning.masks.Target` list. H
 worth keeping. Gradients are taken with respect to the *effective* (masked) weight, so a pruned
 weight scores zero, and no optimizer step happens while scoring.
 
-When a ``torch.distributed`` process group exists, gradient sums and sample counts are
-all-reduced, so every process scores on the whole importance set.
+When a ``torch.distributed`` process group exists (outside :func:`fairprune.distributed.local`),
+gradient sums and sample / batch counts are all-reduced, so every process ends with the same
+scores: the average over every process's samples. Each process may hold its own shard of the
+importance set, or all of it (sums and counts then grow alike, and the average is one process's).
+The pruning callback scores inside ``local()`` instead: each process the whole set, no reduction.
 """
 
 from __future__ import annotations
@@ -16,10 +19,10 @@ from collections.abc import Iterable
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from tqdm.auto import tqdm
 
+from fairprune.distributed import all_reduce_sum
 from fairprune.errors import UserError
 from fairprune.pruning.masks import Target
 from fairprune.pruning.select import magnitude
@@ -28,9 +31,8 @@ Scores = dict[str, torch.Tensor]
 
 
 def _reduce(t: torch.Tensor) -> torch.Tensor:
-    if dist.is_available() and dist.is_initialized():
-        dist.all_reduce(t)
-    return t
+    """Sum over the processes (unchanged alone, or inside ``fairprune.distributed.local()``)."""
+    return all_reduce_sum(t)
 
 
 def _params(targets: list[Target]) -> list[torch.Tensor]:
@@ -90,14 +92,16 @@ def grasp_scores(model: nn.Module, targets: list[Target], loader: Iterable, loss
         for acc, gr in zip(grads, torch.autograd.grad(loss_fn(model(x), y), params)):
             acc += gr
         batches_seen.append((x, y))
-    grads = [_reduce(g) / max(len(batches_seen), 1) for g in grads]
+    # The mean over every process's batches: batch count summed like the gradients.
+    seen = max(float(_reduce(torch.tensor(float(len(batches_seen)), device=device))), 1.0)
+    grads = [_reduce(g) / seen for g in grads]
     hg = [torch.zeros_like(p) for p in params]
     for x, y in batches_seen:
         first = torch.autograd.grad(loss_fn(model(x), y), params, create_graph=True)
         dot = sum((f * g).sum() for f, g in zip(first, grads))
         for acc, h in zip(hg, torch.autograd.grad(dot, params)):
             acc += h
-    return {t.name: w * _reduce(h) / max(len(batches_seen), 1) for t, h, w in zip(targets, hg, _effective(targets))}
+    return {t.name: w * _reduce(h) / seen for t, h, w in zip(targets, hg, _effective(targets))}
 
 
 def group_scores(model: nn.Module, targets: list[Target], loader: Iterable, loss_fn: Callable, device: torch.device,

@@ -4,16 +4,23 @@
 validates the request, asks the family table where the prunable layers are, runs the shared
 layer-sequential calibration (except for magnitude, which needs no data) and reports the
 achieved sparsity: exact zeros over the prunable linear weights of the transformer blocks.
+
+Under ``torch.distributed`` (``torchrun``, see :mod:`fairprune.distributed`) every rank calls these
+functions: each calibrates on its shard of the windows (and pairs), the statistics are summed
+across ranks, every rank solves the same layers from the same statistics, and rank 0's solution is
+broadcast so all ranks hold identical weights; the measurements are sharded the same way.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from fairprune import distributed
 from fairprune.data.pairs import LMTexts
 from fairprune.data.text import calibration_ids, paired_ids
 from fairprune.errors import UserError
@@ -56,16 +63,21 @@ def prune_and_measure(model: nn.Module, tokenizer, method: str, sparsity: float 
     the per-layer sparsity. The model ends on the CPU."""
     registry.get(method, "lm")
     target, nm = parse_sparsity(sparsity)
-    family_of(model)  # unknown families fail here, before any work
+    family = family_of(model)  # unknown families fail here, before any work
+    if nm is not None:
+        _check_nm_widths(model, family, nm)  # and so does an N:M pattern the layer widths do not allow
     eval_seqlen = eval_seqlen or seqlen
     start = time.perf_counter()
-    print(f"[{method}] measuring the dense model ...", flush=True)
+    main = distributed.is_main()
+    if main:
+        print(f"[{method}] measuring the dense model ...", flush=True)
     before = measure_lm(model, tokenizer, texts.eval_text, texts.eval_pairs, eval_seqlen, device)
     calib = calibration_ids(tokenizer, texts.calib_text, nsamples, seqlen, seed) if method != "magnitude" else None
     pairs = paired_ids(tokenizer, texts.calib_pairs, seqlen) if method == "debias-sparsegpt" else None
     model.to("cpu")
-    result = prune_causal_lm(model, method, target, nm, calib, pairs, device, percdamp, blocksize)
-    print(f"[{method}] measuring the pruned model ...", flush=True)
+    result = prune_causal_lm(model, method, target, nm, calib, pairs, device, percdamp, blocksize, progress=main)
+    if main:
+        print(f"[{method}] measuring the pruned model ...", flush=True)
     after = measure_lm(model, tokenizer, texts.eval_text, texts.eval_pairs, eval_seqlen, device)
     model.to("cpu")
     report = {
@@ -98,6 +110,9 @@ def prune_causal_lm(
     Debias-SparseGPT). ``pairs``: ``(ids0, ids1)`` or ``(ids0, ids1, mask)`` token-aligned
     stereotypical / anti-stereotypical batches (Debias-SparseGPT only), e.g. from
     ``fairprune.data.text.paired_ids``. Give either ``sparsity`` or ``nm=(N, M)``.
+
+    Under ``torch.distributed`` every rank passes the same full ``calib_ids`` / ``pairs`` and
+    calibrates on its shard; all ranks end with the same weights.
     """
     start = time.perf_counter()
     family = family_of(model)
@@ -108,9 +123,11 @@ def prune_causal_lm(
         tick = time.perf_counter()
         W = linear_weight(layer)
         if method == "wanda":
-            set_linear_weight(layer, W.masked_fill(wanda_mask(W, stat.value(), sparsity, nm), 0))
+            W = W.masked_fill(wanda_mask(W, stat.value(), sparsity, nm), 0)
         else:
-            set_linear_weight(layer, sparsegpt_solve(W, stat.value(), sparsity, nm, blocksize, percdamp))
+            W = sparsegpt_solve(W, stat.value(), sparsity, nm, blocksize, percdamp)
+        # Every rank solved from the same reduced statistics; rank 0's result makes them identical.
+        set_linear_weight(layer, distributed.broadcast(W.contiguous()))
         solve_seconds[0] += time.perf_counter() - tick
 
     if method == "magnitude":
@@ -121,7 +138,9 @@ def prune_causal_lm(
         def make_stat(name: str, layer: nn.Module):
             return stat_class(linear_weight(layer).shape[1], device=device)
 
-        inputs = make_inputs(calib_ids, pairs, batch_size)
+        # This rank's share of the windows and pairs (all of them in one process).
+        mine = None if pairs is None else tuple(distributed.shard(t) for t in pairs)
+        inputs = make_inputs(None if calib_ids is None else distributed.shard(calib_ids), mine, batch_size)
         run_layerwise(model, family, inputs, device, make_stat, prune, progress, desc=method)
     layers = sparsity_by_layer(model, family)
     return {
@@ -164,16 +183,40 @@ def _prune_magnitude(model, family: Family, sparsity, nm, device, progress: bool
             set_linear_weight(layer, W.masked_fill(~keep, 0))
 
 
+def check_pattern_fits(model: nn.Module, sparsity: float | str) -> None:
+    """Raise a :class:`UserError` unless ``sparsity`` can be applied to ``model``: an N:M pattern's
+    M must divide the input width of every prunable layer (fractions always fit). Cheap (shapes
+    only): call it right after loading, before the dense model is measured."""
+    _, nm = parse_sparsity(sparsity)
+    if nm is not None:
+        _check_nm_widths(model, family_of(model), nm)
+
+
+def _check_nm_widths(model: nn.Module, family: Family, nm: tuple[int, int]) -> None:
+    """N:M groups M consecutive inputs of each row: M must divide every prunable layer's input width."""
+    check_nm(nm)
+    n, m = nm
+    widths: dict[int, str] = {}  # input width → the first layer that has it
+    for index, block in enumerate(family.block_list(model)):
+        for name, layer in family.block_linears(block).items():
+            widths.setdefault(int(linear_weight(layer).shape[1]), f"{index}.{name}")
+    bad = [w for w in widths if w % m]
+    if bad:
+        common = math.gcd(*widths)
+        fits = [f"{k // 2}:{k}" for k in (4, 8, 16) if common % k == 0]
+        hint = f", e.g. {' or '.join(fits)}" if fits else ""
+        raise UserError(f"N:M sparsity {n}:{m}: M={m} does not divide the input width {bad[0]} of layer {widths[bad[0]]} "
+                        f"(this model's prunable widths: {', '.join(map(str, sorted(widths)))}); pick an M that divides "
+                        f"them all{hint}, or give a fraction such as 0.5")
+
+
 def _validate(model, family, method, sparsity, nm, calib_ids, pairs, percdamp, blocksize) -> None:
     """Reject bad requests before any work is done, with one-line fixes."""
     registry.get(method, "lm")
     if (sparsity is None) == (nm is None):
         raise UserError("give exactly one of sparsity (e.g. 0.5) or nm (e.g. (2, 4))")
     if nm is not None:
-        check_nm(nm)
-        for block in family.block_list(model):
-            for name, layer in family.block_linears(block).items():
-                check_nm(nm, linear_weight(layer).shape[1])
+        _check_nm_widths(model, family, nm)
     else:
         check_sparsity(sparsity)
     if percdamp < 0 or blocksize < 1:

@@ -4,7 +4,7 @@ and sparsity accounting.
 Every pruning method in fairprune decides *which* weights to keep and hands a boolean keep-mask
 to :func:`apply_mask`; this module owns how masks are stored (``weight_orig`` and ``weight_mask``
 via ``torch.nn.utils.prune``, so checkpoints hold them and training keeps pruned weights at zero)
-and how sparsity is counted (exact zeros over the weights a method targets).
+and how sparsity is counted (exact zeros and masked-out entries over the weights a method targets).
 """
 
 from __future__ import annotations
@@ -84,17 +84,18 @@ def attach_empty_masks(model: nn.Module, targets: list[Target]) -> None:
 
 
 def sparsity_table(targets: list[Target]) -> list[dict[str, float | int | str]]:
-    """Per-layer exact-zero counts of the effective weights."""
+    """Per-layer zero counts of the effective weights: exact zeros and masked-out entries (a
+    masked weight counts as pruned whatever ``weight_orig`` holds, NaN included)."""
     rows = []
     for t in targets:
         w = t.weight.detach()
-        zeros = int((w == 0).sum())
+        zeros = int(((w == 0) | ~t.mask.to(w.device)).sum())
         rows.append({"layer": t.name, "numel": w.numel(), "zeros": zeros, "sparsity": zeros / max(w.numel(), 1)})
     return rows
 
 
 def achieved_sparsity(targets: list[Target]) -> float:
-    """Fraction of exact zeros over all target weights."""
+    """Fraction of zero or masked-out entries over all target weights."""
     rows = sparsity_table(targets)
     total = sum(r["numel"] for r in rows)
     return sum(r["zeros"] for r in rows) / total if total else 0.0

@@ -18,8 +18,9 @@ Two Hessians feed the same solver:
   ΔX part is ≈ two sentences' second moment, so both sources carry comparable weight while the
   ``2ΔXΔXᵀ`` term makes directions in which the pair differs expensive to disturb.
 
-Both are plain tensors; under ``torch.distributed`` they are summed across processes in
-:meth:`value` (each weighted by its sample count, so the result is the global average).
+Both are plain tensors; under ``torch.distributed`` (torchrun: each rank calibrates on its shard
+of the samples) they are summed across processes in :meth:`value`, each weighted by its sample
+count, so every rank gets the same global average (:mod:`fairprune.distributed`).
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ import math
 import warnings
 
 import torch
-import torch.distributed as dist
 
+from fairprune import distributed
 from fairprune.errors import UserError
 from fairprune.pruning.select import n_m, top_k
 
@@ -61,13 +62,12 @@ def _batch_size(x: torch.Tensor) -> int:
 
 
 def _global_average(avg: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
-    """Combine per-process running averages into the global one (identity without a group)."""
-    if not (dist.is_available() and dist.is_initialized()):
+    """Combine per-process running averages into the global one (identity without a group).
+    A rank without samples (more ranks than samples) adds zero weight."""
+    if distributed.world()[1] == 1:
         return avg, count
-    total = avg * count
-    n = torch.tensor([float(count)], device=avg.device)
-    dist.all_reduce(total)
-    dist.all_reduce(n)
+    total = distributed.all_reduce_sum(avg * count)
+    n = distributed.all_reduce_sum(torch.tensor([float(count)], device=avg.device))
     return total / n.clamp(min=1), int(n.item())
 
 

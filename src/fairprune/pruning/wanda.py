@@ -10,14 +10,15 @@ Surviving weights are not updated. The masks come from :mod:`fairprune.pruning.s
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
+from fairprune import distributed
 from fairprune.pruning.select import n_m, top_k_per_row
 from fairprune.pruning.sparsegpt import check_nm, check_sparsity
 
 
 class InputNorms:
-    """Per-column ``Σ x_j²`` over calibration tokens; a plain tensor, summed across processes."""
+    """Per-column ``Σ x_j²`` over calibration tokens; a plain tensor, summed across processes
+    (torchrun: each rank adds its shard's tokens)."""
 
     def __init__(self, columns: int, device=None):
         self.sq = torch.zeros(columns, device=device, dtype=torch.float32)
@@ -30,10 +31,7 @@ class InputNorms:
 
     def value(self) -> torch.Tensor:
         """``‖X_j‖₂`` per input column over all processes' tokens."""
-        sq = self.sq.clone()
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(sq)
-        return sq.sqrt()
+        return distributed.all_reduce_sum(self.sq.clone()).sqrt()
 
 
 def wanda_mask(

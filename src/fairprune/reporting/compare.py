@@ -9,6 +9,7 @@ from typing import Any
 
 import pandas as pd
 
+from fairprune.reporting.atomic import write_csv, write_text
 from fairprune.reporting.report import markdown, write_json
 
 
@@ -20,9 +21,9 @@ def write_comparison(rows: list[dict[str, Any]], output: str | os.PathLike, extr
     table = pd.DataFrame(rows)
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    table.to_csv(out / "comparison.csv", index=False)
+    write_csv(out / "comparison.csv", table, index=False)
     text = markdown(table.set_index(index)) if index in table.columns else markdown(table)
-    (out / "comparison.md").write_text(text + "\n")
+    write_text(out / "comparison.md", text + "\n")
     write_json(out / "report.json", {"comparison": rows, **(extra or {})})
     if echo:
         print("\n" + text + "\n")

@@ -11,6 +11,7 @@ from typing import Any
 import pandas as pd
 import yaml
 
+from fairprune.reporting.atomic import write_csv, write_text
 from fairprune.reporting.plots import plot_axis_correlation, plot_head_heatmap
 from fairprune.reporting.report import write_json
 
@@ -25,8 +26,8 @@ def write_lm_run(output: str | os.PathLike, model, tokenizer, report: dict[str, 
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     if layers is not None:
-        pd.DataFrame([{"layer": k, "sparsity": v} for k, v in layers.items()]).to_csv(out / "sparsity.csv", index=False)
-    (out / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        write_csv(out / "sparsity.csv", pd.DataFrame([{"layer": k, "sparsity": v} for k, v in layers.items()]), index=False)
+    write_text(out / "config.yaml", yaml.safe_dump(config, sort_keys=False))
     write_json(out / "report.json", report)
     return out
 

@@ -14,6 +14,8 @@ from torch import nn
 from fairprune.callbacks.diff_pruning import DiffPruning, root_model
 from fairprune.pruning import diff
 from fairprune.reporting.compare import write_comparison
+from fairprune.reporting.lock import locked
+from fairprune.reporting.report import check_writable
 
 
 def _trainer(max_epochs: int, callbacks: list[L.Callback], **kwargs: Any) -> L.Trainer:
@@ -39,6 +41,7 @@ def _changed_fraction(before: dict[str, torch.Tensor], model: nn.Module, names: 
     return changed / max(sum(before[n].numel() for n in names), 1)
 
 
+@locked(lambda output=None, **_: output)
 def compare_diff_pruning(module: L.LightningModule, datamodule: L.LightningDataModule, target_fraction: float = 0.005,
                          epochs: int = 3, finetune_epochs: int = 1, output: str | Path | None = None,
                          trainer_kwargs: dict[str, Any] | None = None, **diff_kwargs: Any):
@@ -56,6 +59,8 @@ def compare_diff_pruning(module: L.LightningModule, datamodule: L.LightningDataM
 
     import pandas as pd
 
+    if output is not None:
+        check_writable(output)
     diff.check_fraction(target_fraction)
     out = Path(output) if output is not None else Path(tempfile.mkdtemp(prefix="diffprune_"))
     kwargs = dict(trainer_kwargs or {})

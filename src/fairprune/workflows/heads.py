@@ -11,12 +11,14 @@ from typing import Any
 
 import pandas as pd
 
-from fairprune.data.lm import read_text
+from fairprune.data.files import read_text
 from fairprune.data.prompts import read_prompts
 from fairprune.errors import UserError
 from fairprune.hub import load_model, load_tokenizer, resolve_device
 from fairprune.pruning import registry
 from fairprune.reporting.compare import write_comparison
+from fairprune.reporting.lock import locked
+from fairprune.reporting.report import check_writable
 from fairprune.reporting.runs import write_head_run
 from fairprune.workflows.options import HeadOptions, LMOptions
 
@@ -44,6 +46,7 @@ def _run(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alpha: float
     return run.report
 
 
+@locked(lambda output, **_: output)
 def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = HeadOptions()) -> dict[str, Any]:
     """FASP: remove the attention heads that most raise toxicity disparity, protecting the heads
     perplexity needs (or a baseline's choice). Writes the pruned model and ``report.json``,
@@ -55,6 +58,7 @@ def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = 
         method: fasp, fairness, performance, magnitude, gradient or random.
         heads: what to protect and remove, and how bias is measured.
     """
+    check_writable(output)
     registry.get(method, "heads")
     _check_ratio("alpha", heads.alpha)
     _check_ratio("gamma", heads.gamma)
@@ -67,11 +71,13 @@ def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = 
     return report
 
 
+@locked(lambda output, **_: output)
 def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output: str,
                   heads: HeadOptions = HeadOptions()) -> pd.DataFrame:
     """FASP and its baselines at several α from one model: heads are scored once (the first run
     writes ``head_scores.csv``; later runs resume from a copy of it), one table of bias and
     perplexity in ``output``."""
+    check_writable(output)
     for method in methods:
         registry.get(method, "heads")
     for alpha in alphas:

@@ -8,7 +8,10 @@ between steps with a real Trainer, test, and write the usual run folder.
 
 from __future__ import annotations
 
+import inspect
+import pickle
 import time
+import zipfile
 from pathlib import Path
 from pkgutil import resolve_name
 from typing import Any
@@ -20,29 +23,71 @@ import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
+from fairprune import distributed
+from fairprune.callbacks.guards import FiniteCheck
+from fairprune.callbacks.history import remember_metrics
 from fairprune.callbacks.pruning import IterativePruning
 from fairprune.callbacks.progress import ProgressBar
 from fairprune.callbacks.report import ReportWriter
 from fairprune.errors import UserError
 from fairprune.reporting.plots import plot_error_rate_changes, plot_group_shares
+from fairprune.reporting.atomic import write_text
 from fairprune.reporting.compare import write_comparison
+from fairprune.reporting.lock import locked
+from fairprune.reporting.report import check_writable
 from fairprune.workflows.options import DataOptions, TrainerOptions
 
 
+#: What the vision commands take as --ckpt, for error messages.
+VISION_CKPT = ("a checkpoint of a vision classifier with class and group names, written by train.py fit "
+               "(e.g. runs/demo/dense/checkpoints/last.ckpt)")
+
+
 def load_trained(ckpt: str | Path, data_overrides: dict[str, Any] | None = None) -> tuple[L.LightningModule, L.LightningDataModule]:
-    """The model and data module a checkpoint was trained with (``data_overrides`` e.g. a new root)."""
+    """The model and data module a checkpoint was trained with (``data_overrides`` e.g. a new root).
+
+    Everything that makes the checkpoint unusable for the vision commands (no such file, a folder,
+    not a torch checkpoint, a checkpoint of another kind of model such as a causal LM) is a
+    :class:`UserError` raised here, before any Trainer is built."""
     path = Path(ckpt)
+    if path.is_dir():
+        # A run folder, its checkpoints/ folder or an experiment folder: look a few levels down, not the whole tree.
+        patterns = ("last.ckpt", "checkpoints/last.ckpt", "*/checkpoints/last.ckpt", "*/*/checkpoints/last.ckpt",
+                    "*.ckpt", "checkpoints/*.ckpt", "*/checkpoints/*.ckpt", "*/*/checkpoints/*.ckpt")
+        found = next((hit for pattern in patterns for hit in sorted(path.glob(pattern))), None)
+        hint = f", e.g. '{found}'" if found else ""
+        raise UserError(f"checkpoint '{ckpt}' is a directory; pass the checkpoint file inside it{hint}: {VISION_CKPT}")
     if not path.is_file():
         raise UserError(f"checkpoint '{ckpt}' does not exist; train first (python train.py fit ...) and pass its checkpoints/last.ckpt")
-    meta = torch.load(path, map_location="cpu", weights_only=False)
-    hp, dhp = meta.get("hyper_parameters", {}), meta.get("datamodule_hyper_parameters")
+    try:
+        meta = torch.load(path, map_location="cpu", weights_only=False)
+    except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, RuntimeError, ValueError, OSError) as err:
+        reason = " ".join(str(err).split())[:120] or type(err).__name__
+        raise UserError(f"checkpoint '{ckpt}' is not a torch checkpoint ({type(err).__name__}: {reason}); "
+                        f"pass {VISION_CKPT}") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"checkpoint '{ckpt}' holds a {type(meta).__name__}, not a Lightning checkpoint; pass {VISION_CKPT}")
+    hp, dhp = meta.get("hyper_parameters") or {}, meta.get("datamodule_hyper_parameters")
     if "_class_path" not in hp or not dhp or "_class_path" not in dhp:
         raise UserError(f"checkpoint '{ckpt}' does not record its model and data classes; use one written by train.py")
+    if not hp.get("class_names") or "group_names" not in hp:
+        exported = path.parent.parent / "model"  # <run>/checkpoints/x.ckpt → <run>/model, the LM's transformers folder
+        folder = f"'{exported}'" if exported.is_dir() else "<its transformers folder>"
+        raise UserError(f"checkpoint '{ckpt}' is a {hp['_class_path']} checkpoint, without class and group names; the "
+                        f"vision commands (prune.py vision, compare --ckpt) need {VISION_CKPT}. A causal LM is pruned "
+                        f"with prune.py magnitude / wanda / sparsegpt --model {folder}")
     model = resolve_name(hp["_class_path"]).load_from_checkpoint(path, map_location="cpu")
     data = resolve_name(dhp["_class_path"]).load_from_checkpoint(path, **(data_overrides or {}))
     return model, data
 
 
+def _run_folder(output: str, name: str | None, pruning: dict[str, Any], **_: Any) -> Path:
+    """``<output>/<name>``, the folder a ``prune.py vision`` run writes (and locks)."""
+    method = (pruning or {}).get("method", inspect.signature(IterativePruning).parameters["method"].default)
+    return Path(output) / (name or method)
+
+
+@locked(_run_folder)
 def prune_vision(
     ckpt: str,
     pruning: dict[str, Any],
@@ -70,6 +115,7 @@ def prune_vision(
         resume: checkpoint of an interrupted pruning run to resume.
         seed: global seed.
     """
+    check_writable(output)
     report, _ = _prune(ckpt, pruning, output, name, trainer, data, resume, seed)
     print(f"[prune] {report.get('method')}: accuracy {report.get('metrics', {}).get('accuracy', float('nan')):.4f}, "
           f"sparsity {report.get('achieved_sparsity', float('nan')):.4f}")
@@ -87,16 +133,17 @@ def _prune(ckpt: str, pruning: dict[str, Any], output: str, name: str | None, tr
     run.mkdir(parents=True, exist_ok=True)
     config = {"ckpt": str(ckpt), "pruning": pruning, "trainer": trainer or {}, "data": data or {}, "seed": seed,
               "output": str(output), "name": name}
-    (run / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    write_text(run / "config.yaml", yaml.safe_dump(config, sort_keys=False))
     settings = {"accelerator": "auto", "devices": 1, "log_every_n_steps": 10, **(trainer or {})}
     settings.setdefault("max_epochs", callback.last_epoch_needed)
     writer = ReportWriter()
     fit = L.Trainer(
         logger=CSVLogger(str(output), name="", version=name),
-        callbacks=[callback, writer, ModelCheckpoint(dirpath=run / "checkpoints", save_last=True)]
+        callbacks=[callback, writer, FiniteCheck(), ModelCheckpoint(dirpath=run / "checkpoints", save_last=True)]
         + ([ProgressBar()] if settings.get("enable_progress_bar", True) else []),
         **settings,
     )
+    remember_metrics(fit)  # a resumed run's metrics.csv keeps the rows before the checkpoint
     fit.fit(model, datamodule=datamodule, ckpt_path=resume, weights_only=False)  # our own run's checkpoint
     fit.test(model, datamodule=datamodule, verbose=False)
     return writer.reports.get("test", {}), callback
@@ -115,6 +162,7 @@ def _row(report: dict[str, Any], method: str, target: float | None) -> dict[str,
     return row
 
 
+@locked(lambda output, **_: output)
 def compare_vision(
     ckpt: str,
     methods: list[str],
@@ -131,6 +179,7 @@ def compare_vision(
     (per-group FPR / FNR change with 95 % ellipses per method) and ``group_shares.png``
     (FairGRAPE's per-layer share of group importance) into ``output``.
     """
+    check_writable(output)
     if not methods or not sparsities:
         raise UserError("compare needs at least one method and one sparsity")
     for method in methods:  # validate every cell before the first long run starts
@@ -150,6 +199,9 @@ def compare_vision(
             if not rows and "reference" in report:
                 rows.append(_row(report["reference"], "dense", 0.0))
             rows.append(_row(report, method, sparsity))
+    table = pd.DataFrame(rows)
+    if not distributed.is_main():  # under DDP every rank ran the cells; rank 0 writes the comparison
+        return table
     plot_error_rate_changes(reports, output / "error_rate_changes.png")
     if shares:
         plot_group_shares(pd.DataFrame(shares), output / "group_shares.png")

@@ -1,8 +1,10 @@
 """Face images for Lightning: the Dataset, its transforms, and :class:`FaceDataModule`.
 
-The frames come from :mod:`fairprune.data.faces.readers`; this module drops unreadable
-images, loads the rest as ``(image, target, group)`` and serves the three splits and a
-group-stratified importance subset, in an order that a resumed run repeats.
+The frames come from :mod:`fairprune.data.faces.readers`; this module leaves out the images
+that do not decode (:mod:`fairprune.data.faces.images`), loads the rest as
+``(image, target, group)`` and serves the three splits and a group-stratified importance subset,
+in an order that a resumed run repeats. Every file left out is counted by reason
+(:meth:`FaceDataModule.report_fields`: ``report.json``'s ``data.skipped``).
 
 Example (the synthetic set is generated on first use)::
 
@@ -15,18 +17,19 @@ Example (the synthetic set is generated on first use)::
 from __future__ import annotations
 
 import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import numpy as np
 import pandas as pd
 import torch
-from PIL import Image
 from torch.utils.data import DataLoader, Dataset, Sampler, Subset
 from torchvision.transforms import v2
 
+from fairprune.data.faces.images import drop_unreadable, load_rgb
 from fairprune.data.faces.readers import SPLITS, check_root, read_faces, task_info
+from fairprune.data.shards import eval_sampler
 from fairprune.data.synthetic import MARKER, generate_synthetic_utkface
 from fairprune.errors import UserError
 from fairprune.hub import cache_dir
@@ -37,33 +40,6 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 
 # --------------------------------------------------------------------------------------------
 # Dataset and transforms.
-
-
-def drop_unreadable(frame: pd.DataFrame) -> pd.DataFrame:
-    """Drop rows whose image PIL cannot open and verify, with one warning giving the count.
-
-    ``verify`` reads headers and structure without decoding pixels, so this is cheap enough
-    to run over a whole dataset once; damage it misses is handled by :class:`FaceDataset`.
-    """
-    with ThreadPoolExecutor(max_workers=8) as pool:  # opening files is I/O-bound
-        readable = np.fromiter(pool.map(_verifies, frame["path"]), dtype=bool, count=len(frame))
-    if len(frame) and not readable.any():
-        raise UserError(f"none of the {len(frame)} images could be read, e.g. "
-                        f"'{frame['path'].iloc[0]}'; check --data.root and the files' permissions")
-    if not readable.all():
-        warnings.warn(f"dropped {int((~readable).sum())} unreadable image(s) of {len(frame)}, "
-                      f"e.g. '{frame['path'][~readable].iloc[0]}'", stacklevel=2)
-    return frame[readable].reset_index(drop=True)
-
-
-def _verifies(path: str) -> bool:
-    """True when PIL can open and verify the image at ``path``."""
-    try:
-        with Image.open(path) as image:
-            image.verify()
-        return True
-    except Exception:  # noqa: BLE001 - any failure to read means the image is unusable
-        return False
 
 
 def face_transform(image_size: int, augment: bool = False) -> v2.Compose:
@@ -82,9 +58,10 @@ def face_transform(image_size: int, augment: bool = False) -> v2.Compose:
 class FaceDataset(Dataset):
     """Images of a frame as ``(image, target, group)``; target and group are int64 tensors.
 
-    An image that fails to load is replaced by the next one (in frame order) that loads, so a
-    damaged file never stops an epoch; ``num_failed`` counts the failures. The count lives in
-    shared memory, so failures inside DataLoader worker processes are counted too.
+    Item ``i`` is always row ``i``: an image that fails to load raises a :class:`UserError`
+    naming the file, never a stand-in from another row (which would carry another group's
+    label). :class:`FaceDataModule` decodes every image when it builds the splits and leaves out
+    those that fail, so this happens only to a file damaged during the run.
     """
 
     def __init__(self, frame: pd.DataFrame, transform=None):
@@ -92,34 +69,21 @@ class FaceDataset(Dataset):
         self.targets = torch.tensor(frame["target"].to_numpy(np.int64))
         self.groups = torch.tensor(frame["group"].to_numpy(np.int64))
         self.transform = transform or v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True)])
-        self._failures = torch.zeros(1, dtype=torch.int64).share_memory_()
 
     def __len__(self) -> int:
         return len(self.paths)
 
-    @property
-    def num_failed(self) -> int:
-        """How many image loads failed (and were substituted) so far, over all processes."""
-        return int(self._failures.item())
-
     def __getitem__(self, index: int):
-        for offset in range(len(self)):
-            i = (index + offset) % len(self)
-            try:
-                with Image.open(self.paths[i]) as image:
-                    rgb = image.convert("RGB")  # decodes now, so damage surfaces here
-            except Exception:  # noqa: BLE001 - any unreadable file is substituted, not fatal
-                self._failed(self.paths[i])
-                continue
-            return self.transform(rgb), self.targets[i], self.groups[i]
-        raise RuntimeError(f"none of the {len(self)} images could be loaded")
-
-    def _failed(self, path: str) -> None:
-        """Count a failed load; warn on the first only, so a bad disk does not flood the log."""
-        self._failures += 1
-        if self.num_failed == 1:
-            warnings.warn(f"could not load '{path}'; using the next image instead "
-                          f"(dataset.num_failed counts these)", stacklevel=3)
+        path = self.paths[index]
+        try:
+            rgb = load_rgb(path)
+        except Exception as err:  # noqa: BLE001 - whatever the cause, the file is unusable now
+            raise UserError(
+                f"cannot load image '{path}' ({type(err).__name__}: {' '.join(str(err).split())}); the splits "
+                f"left out every image that did not decode when they were built, so this file changed during "
+                f"the run: restore it, or start the run again to leave it out (and count it in data.skipped)"
+            ) from None
+        return self.transform(rgb), self.targets[index], self.groups[index]
 
 
 def stratified_subset(groups: np.ndarray, fraction: float, seed: int) -> np.ndarray:
@@ -175,6 +139,7 @@ class FaceDataModule(L.LightningDataModule):
         self.num_classes = len(self.class_names)
         self.num_groups = len(self.group_names)
         self.train_frame = self.val_frame = self.test_frame = None
+        self.skipped: dict[str, int] | None = None  # files left out by reason, known after setup()
 
     def prepare_data(self) -> None:
         """Generate the synthetic set into ``root`` unless it is complete already."""
@@ -182,15 +147,18 @@ class FaceDataModule(L.LightningDataModule):
             generate_synthetic_utkface(self.root, n=self.hparams.synthetic_size, seed=self.hparams.seed)
 
     def setup(self, stage: str | None = None) -> None:
-        """Read the frame once, drop unreadable images, and build the three datasets."""
+        """Read the frame once, leave out (and count) the images that do not decode, and build
+        the three datasets."""
         if self.train_frame is not None:
             return
         hp = self.hparams
         if hp.dataset == "synthetic" and not (self.root / MARKER).exists():
             self.prepare_data()  # setup() called without prepare_data(), e.g. from a script
         frame = read_faces(hp.dataset, self.root, hp.target, hp.sensitive, hp.include_others, hp.seed)
+        skipped = dict(frame.attrs.get("skipped", {}))  # what the reader left out (UTKFace names, Others)
         frames = {split: self._cap(frame[frame["split"] == split]) for split in SPLITS}
         frame = drop_unreadable(pd.concat(frames.values(), ignore_index=True))
+        self.skipped = {**skipped, **frame.attrs["skipped"]}
         frames = {split: frame[frame["split"] == split].reset_index(drop=True) for split in SPLITS}
         self._warn_absent_groups(frames)
         self.train_frame, self.val_frame, self.test_frame = (frames[s] for s in SPLITS)
@@ -201,6 +169,14 @@ class FaceDataModule(L.LightningDataModule):
         self.test_set = FaceDataset(self.test_frame, eval_tf)
         # Importance scores want the training images without random augmentation.
         self.importance_set = FaceDataset(self.train_frame, eval_tf)
+
+    def report_fields(self) -> dict[str, Any]:
+        """``{"data": {"skipped": {reason: count}, "samples": {split: count}}}`` for report.json
+        (:class:`~fairprune.callbacks.report.ReportWriter` merges it); empty before ``setup``."""
+        if self.skipped is None:
+            return {}
+        samples = {split: len(f) for split, f in zip(SPLITS, (self.train_frame, self.val_frame, self.test_frame))}
+        return {"data": {"skipped": dict(self.skipped), "samples": samples}}
 
     def _cap(self, frame: pd.DataFrame) -> pd.DataFrame:
         """At most ``max_samples`` rows of one split, a seeded sample kept in frame order."""
@@ -227,10 +203,11 @@ class FaceDataModule(L.LightningDataModule):
         return self._loader(self.train_set, sampler=EpochShuffle(len(self.train_set), self.hparams.seed))
 
     def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set)
+        # Under DDP: this process's unpadded shard, so per-group counts sum to the split's size.
+        return self._loader(self.val_set, sampler=eval_sampler(len(self.val_set)))
 
     def test_dataloader(self) -> DataLoader:
-        return self._loader(self.test_set)
+        return self._loader(self.test_set, sampler=eval_sampler(len(self.test_set)))
 
     def importance_dataloader(self, fraction: float = 0.2, seed: int = 0) -> DataLoader:
         """A loader over a seeded, group-stratified ``fraction`` of the training set, in order."""

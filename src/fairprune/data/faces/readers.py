@@ -9,6 +9,10 @@ Every reader returns one row per image:
 * then the dataset's raw attribute columns (UTKFace ``age gender race``; FairFace
   ``file age gender race service_test``; CelebA its 40 attributes as 0/1).
 
+Files a reader leaves out are counted, by reason, in ``frame.attrs["skipped"]`` (UTKFace:
+``malformed_name``, ``others``), each reason with one warning; the DataModule adds the images
+that do not decode and reports the counts.
+
 The target and the sensitive attribute are picked independently by name and may be the same.
 Names: ``gender``, ``race`` and ``age`` (nine FairFace age bins; UTKFace ages are binned the
 same way) for UTKFace and FairFace; any of the 40 attributes for CelebA (``gender`` is accepted
@@ -27,6 +31,7 @@ from typing import Sequence
 import numpy as np
 import pandas as pd
 
+from fairprune.data.files import read_user_csv
 from fairprune.errors import UserError, suggest
 
 DATASETS = ("synthetic", "utkface", "fairface", "celeba")
@@ -163,8 +168,9 @@ def read_utkface(
     Names are ``[age]_[gender]_[race]_[datetime].jpg`` or the aligned ``....jpg.chip.jpg``;
     when both styles of one image are present the aligned one is kept. Malformed names are
     skipped with one warning. UTKFace has no official split, so a seeded 80/10/10 split is
-    drawn from the names (see :func:`seeded_split`). Race 4 ("Others") is dropped unless
-    ``include_others``.
+    drawn from the names (see :func:`seeded_split`). Race 4 ("Others") is dropped, with one
+    warning, unless ``include_others``. ``frame.attrs["skipped"]`` counts both kinds of skipped
+    file (``malformed_name``, ``others``).
     """
     label_names("utkface", target, "target", include_others)
     if sensitive is not None:
@@ -182,15 +188,21 @@ def read_utkface(
                         f"the folder that holds {ROOT_CONTENTS['utkface']}")
     # Split before dropping "Others", so an image's split does not depend on include_others.
     frame["split"] = seeded_split(frame["key"].tolist(), seed)
+    others = 0
     if not include_others:
+        others = int((frame["race"] == 4).sum())
         frame = frame[frame["race"] != 4]
+        if others:
+            warnings.warn(f"left out {others} UTKFace image(s) of race 4 (Others), which the class and group "
+                          f"names do not include; pass --data.include_others true to keep them", stacklevel=2)
     codes = {
         "gender": frame["gender"].to_numpy(),
         "race": frame["race"].to_numpy(),
         "age": age_bin(frame["age"].to_numpy()),
     }
-    return _finish(frame, codes[target], None if sensitive is None else codes[sensitive],
-                   ["age", "gender", "race"])
+    out = _finish(frame, codes[target], None if sensitive is None else codes[sensitive], ["age", "gender", "race"])
+    out.attrs["skipped"] = {"malformed_name": len(malformed), "others": others}
+    return out
 
 
 def _parse_utkface_names(files: list[Path]) -> tuple[pd.DataFrame, list[str]]:
@@ -238,12 +250,15 @@ def read_fairface(
         return frame[attribute].map({v: i for i, v in enumerate(vocabularies[attribute])}).to_numpy()
 
     raw = [c for c in ("file", "age", "gender", "race", "service_test") if c in frame]
-    return _finish(frame, codes(target), None if sensitive is None else codes(sensitive), raw)
+    out = _finish(frame, codes(target), None if sensitive is None else codes(sensitive), raw)
+    out.attrs["skipped"] = {}
+    return out
 
 
 def _read_fairface_csv(path: Path, used: set[str]) -> pd.DataFrame:
     """Read one FairFace csv and check the vocabulary of the columns in ``used``."""
-    table = pd.read_csv(path, dtype={"file": str, "age": str, "gender": str, "race": str})
+    table = read_user_csv(path, "FairFace label", "the header file,age,gender,race,service_test",
+                          dtype={"file": str, "age": str, "gender": str, "race": str})
     missing = [c for c in ["file", *sorted(used)] if c not in table]
     if missing:
         raise UserError(f"{path} lacks column(s) {', '.join(missing)}; a FairFace label csv has "
@@ -272,14 +287,15 @@ def read_celeba(root: str | Path, target: str = "Smiling", sensitive: str | None
         celeba_attribute(sensitive, CELEBA_ATTRIBUTES, "sensitive")
     base = celeba_base(check_root("celeba", root))
     attr_file, partition_file = (base / name for name in LABEL_FILES["celeba"])
-    with attr_file.open() as handle:
-        handle.readline()  # the image count
-        names = handle.readline().split()
+    expected = "a count line, the 40 attribute names, then one '<image> -1 1 ...' line per image"
+    names = _celeba_names(attr_file, expected)
     target = celeba_attribute(target, names, "target")
     sensitive = None if sensitive is None else celeba_attribute(sensitive, names, "sensitive")
-    attrs = pd.read_csv(attr_file, sep=r"\s+", skiprows=2, header=None, names=["image_id", *names])
+    attrs = read_user_csv(attr_file, "CelebA attribute", expected, sep=r"\s+", skiprows=2, header=None,
+                          names=["image_id", *names])
     attrs[names] = (attrs[names] > 0).astype(np.int64)
-    partition = pd.read_csv(partition_file, sep=r"\s+", header=None, names=["image_id", "partition"])
+    partition = read_user_csv(partition_file, "CelebA partition", "'<image> <0|1|2>' lines", sep=r"\s+",
+                              header=None, names=["image_id", "partition"])
     frame = attrs.merge(partition, on="image_id", how="inner", validate="one_to_one")
     if len(frame) != len(attrs):
         raise UserError(f"{len(attrs) - len(frame)} image(s) in {attr_file} have no line in "
@@ -287,7 +303,19 @@ def read_celeba(root: str | Path, target: str = "Smiling", sensitive: str | None
     frame["split"] = frame["partition"].map(dict(enumerate(SPLITS)))
     frame.insert(0, "path", [str((base / "img_align_celeba" / i).resolve()) for i in frame["image_id"]])
     groups = None if sensitive is None else frame[sensitive].to_numpy()
-    return _finish(frame, frame[target].to_numpy(), groups, list(names))
+    out = _finish(frame, frame[target].to_numpy(), groups, list(names))
+    out.attrs["skipped"] = {}
+    return out
+
+
+def _celeba_names(attr_file: Path, expected: str) -> list[str]:
+    """The attribute names on line 2 of ``list_attr_celeba.txt``."""
+    try:
+        with attr_file.open(encoding="utf-8") as handle:
+            handle.readline()  # the image count
+            return handle.readline().split()
+    except UnicodeDecodeError:
+        raise UserError(f"{attr_file}: not UTF-8 text; expected {expected}") from None
 
 
 def _finish(frame: pd.DataFrame, target, group, raw: list[str]) -> pd.DataFrame:

@@ -124,11 +124,18 @@ class GroupRates(Metric):
         """Rates, gaps and (with a reference) degradation from the accumulated confusion matrices."""
         return _group_rates_compute(self.confusion, self.group_names, self.reference)
 
-    def result(self) -> dict[str, Any]:
+    def result(self, sync: bool | None = None) -> dict[str, Any]:
         """What :meth:`compute` gives, nested the way reports hold it (``metrics``, ``groups``,
         ``fairness``; see :func:`~fairprune.metrics.group.functional.group_result`), reduced
-        across processes the same way."""
-        with self.sync_context(should_sync=self._to_sync, should_unsync=self._should_unsync):
+        across processes the same way.
+
+        Args:
+            sync: sum the confusion over processes (default: the metric's ``sync_on_compute``).
+                ``False`` when every process saw the whole split (a sum would count it once per
+                process); ``True`` when each saw its own shard. Every process must call it alike.
+        """
+        should_sync = self._to_sync if sync is None else sync
+        with self.sync_context(should_sync=should_sync, should_unsync=self._should_unsync):
             return group_result(self.confusion, self.group_names, self.reference)
 
     def set_reference(self, acc_by_group: Reference) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -20,6 +21,7 @@ from fairprune.errors import UserError, suggest
 from fairprune.metrics.language import perplexity
 from fairprune.metrics.toxicity import ToxicityScorer, bias_by_axis, make_scorer
 from fairprune.pruning.heads import Head, HeadGates
+from fairprune.reporting.atomic import write_text
 
 BASELINE = (-1, -1)  # the (layer, head) key of the unpruned model's row in head_scores.csv
 
@@ -122,7 +124,8 @@ def score_heads(evaluate: Evaluator, path: str | Path, gates: HeadGates | None =
     """``z_ppl`` and ``z_bias`` for every head gated off, plus the unpruned row ``(-1, -1)``.
 
     Rows already in ``path`` are kept and skipped; each new row is appended (and flushed) as soon
-    as it is computed. Columns: ``layer, head, perplexity, bias:<axis>...``.
+    as it is computed. Columns: ``layer, head, perplexity, bias:<axis>...``. A head's first complete
+    row is its score: a line cut by a kill and rows repeated by another run are dropped on reading.
     """
     path = Path(path)
     gates = gates or HeadGates(evaluate.model)
@@ -150,24 +153,51 @@ def _resume(path: Path, columns: list[str], fingerprint: str) -> set[Head]:
     stamp = path.with_suffix(".json")
     if path.exists() and path.stat().st_size > 0:
         old = json.loads(stamp.read_text()) if stamp.exists() else {}
-        frame = pd.read_csv(path)
-        if list(frame.columns) != columns or old.get("fingerprint") != fingerprint:
+        text = path.read_text()
+        header, rows, dropped = _rows(text)
+        if header != columns or old.get("fingerprint") != fingerprint:
             raise UserError(f"{path} holds scores from other settings (prompts, text, generation or axes); "
                             "delete it or choose another output directory")
-        return set(zip(frame.layer.astype(int), frame["head"].astype(int)))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", newline="") as handle:
-        csv.writer(handle).writerow(columns)
-    stamp.write_text(json.dumps({"fingerprint": fingerprint, "columns": columns}))
+        if dropped or not text.endswith("\n"):  # appending goes on from a clean file, one row per head
+            write_text(path, _csv_text(header, rows))
+        return {(int(r[0]), int(r[1])) for r in rows}
+    write_text(path, _csv_text(columns, []))
+    write_text(stamp, json.dumps({"fingerprint": fingerprint, "columns": columns}))
     return set()
 
 
+def _rows(text: str) -> tuple[list[str], list[list[str]], int]:
+    """The header, the complete rows (as many fields as the header, none empty, integer layer and
+    head) with the first row of each ``(layer, head)`` kept, and how many rows were dropped."""
+    lines = list(csv.reader(io.StringIO(text)))
+    header, body = (lines[0], lines[1:]) if lines else ([], [])
+    rows, seen = [], set()
+    for row in body:
+        try:
+            key = (int(row[0]), int(row[1]))
+        except (ValueError, IndexError):
+            continue
+        if len(row) == len(header) and all(row) and key not in seen:
+            seen.add(key)
+            rows.append(row)
+    return header, rows, len(body) - len(rows)
+
+
+def _csv_text(header: list[str], rows: list[list[str]]) -> str:
+    out = io.StringIO()
+    csv.writer(out, lineterminator="\n").writerows([header, *rows])
+    return out.getvalue()
+
+
 def read_scores(path: str | Path) -> pd.DataFrame:
-    """``head_scores.csv`` as a frame (one row per head; the unpruned row has layer = head = -1)."""
+    """``head_scores.csv`` as a frame (one row per head, its first complete one; the unpruned row has
+    layer = head = -1)."""
     try:
-        return pd.read_csv(path)
+        text = Path(path).read_text()
     except FileNotFoundError:
         raise UserError(f"head scores not found: {path}; run the scoring step first") from None
+    header, rows, _ = _rows(text)
+    return pd.read_csv(io.StringIO(_csv_text(header, rows)))
 
 
 def _bias(scores: pd.DataFrame, axes: Sequence[str]) -> pd.Series:

@@ -1,0 +1,176 @@
+"""The LM commands under ``torchrun``: two processes with a real gloo process group give the
+result of one process (same masks and perplexity up to float summation order), and only rank 0
+writes.
+
+``python -m torch.distributed.run --nproc_per_node 2 --standalone prune.py ...`` is spawned as a
+subprocess in the test's temporary folder against a tiny GPT-2 trained for a few steps here (a
+locally trained BPE tokenizer, saved with ``save_pretrained``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from fairprune.cli.prune import main as prune_main
+
+ROOT = Path(__file__).resolve().parents[1]
+SEQLEN = 32
+TIMEOUT = 300  # seconds per command: far above the ~15 s it takes, bounded if a rank ever hangs
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory) -> dict:
+    """A 2-layer GPT-2 (width 64) trained for 200 steps on the bundled corpus, with its tokenizer,
+    and small evaluation files (text and CrowS-Pairs CSV)."""
+    from fairprune.data.text import join_documents, lm_corpus, stereo_pairs, train_bpe_tokenizer
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path_factory.mktemp("torchrun-lm")
+    corpus = lm_corpus(train_docs=150, validation_docs=12, seed=3)
+    tokenizer = train_bpe_tokenizer(corpus.train, 400)
+    ids = torch.tensor(tokenizer(join_documents(corpus.train)).input_ids)
+    windows = ids[: len(ids) // SEQLEN * SEQLEN].view(-1, SEQLEN)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=4, n_embd=64, n_positions=64, vocab_size=len(tokenizer),
+                                       bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                                       pad_token_id=tokenizer.pad_token_id))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-3)
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        batch = windows[torch.randint(0, len(windows), (8,), generator=generator)]
+        model(input_ids=batch, labels=batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    (folder / "eval.txt").write_text(corpus.validation)
+    rows = ["sent_more,sent_less,stereo_antistereo"] + [f'"{a}","{b}",stereo' for a, b in stereo_pairs()[::6]]
+    (folder / "pairs.csv").write_text("\n".join(rows) + "\n")
+    return {"model": folder / "model", "lm": ["--seqlen", str(SEQLEN), "--device", "cpu", "--eval_text",
+                                             str(folder / "eval.txt"), "--pairs", str(folder / "pairs.csv")]}
+
+
+def torchrun(args: list[str], cwd: Path, nproc: int = 2) -> subprocess.Popen:
+    """Start ``prune.py args`` under torchrun (``nproc`` processes, gloo) in ``cwd``; its console
+    output prefixes each line with the rank that printed it (``[default0]:``)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+           "--monitor_interval", "0.1", "--tee", "3", str(ROOT / "prune.py"), *args]
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(process: subprocess.Popen) -> str:
+    """Wait (bounded) for a torchrun started by :func:`torchrun`; its output, once it succeeded."""
+    try:
+        out, _ = process.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        out, _ = process.communicate()
+        pytest.fail(f"torchrun did not finish in {TIMEOUT} s:\n{out[-3000:]}")
+    assert process.returncode == 0, out[-5000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_lm, tmp_path_factory, one_thread) -> dict:
+    """SparseGPT 50 % under torchrun (2 ranks) into ``A`` and in this process into ``B``, and
+    ``evaluate`` of the dense model under torchrun into ``E``, one after the other (run side by side
+    on two cores they take longer)."""
+    root = tmp_path_factory.mktemp("torchrun-runs")
+    sgpt = ["sparsegpt", "--model", str(tiny_lm["model"]), "--sparsity", "0.5", "--nsamples", "16", *tiny_lm["lm"]]
+    evaluate = ["evaluate", "--model", str(tiny_lm["model"]), *tiny_lm["lm"], "--output", "E"]
+    printed = {"A": finish(torchrun([*sgpt, "--output", "A"], root / "a")), "E": finish(torchrun(evaluate, root / "e"))}
+    assert prune_main([*sgpt, "--output", str(root / "b" / "B")]) == 0  # one process, no group
+    return {"A": root / "a" / "A", "B": root / "b" / "B", "E": root / "e" / "E", "printed": printed}
+
+
+def masks(folder: Path) -> dict[str, torch.Tensor]:
+    """Zero masks of every prunable block layer of the saved model."""
+    from fairprune.families import family_of, linear_weight
+    from fairprune.pruning.llm import block_targets
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    return {t.name: linear_weight(t.module) == 0 for t in block_targets(model, family_of(model))}
+
+
+def files(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+
+
+def report(folder: Path) -> dict:
+    return json.loads((folder / "report.json").read_text())
+
+
+def test_sparsegpt_under_torchrun_matches_one_process(runs):
+    a, b = report(runs["A"]), report(runs["B"])
+    # Only rank 0 wrote: the run folder holds B's files and nothing else was written beside it,
+    # and the one "written to" line is rank 0's and carries the report's figures.
+    assert files(runs["A"]) == files(runs["B"])
+    assert files(runs["A"].parent) == [f"A/{name}" for name in files(runs["A"])]
+    written = [line for line in runs["printed"]["A"].splitlines() if "written to" in line]
+    assert len(written) == 1 and written[0].startswith("[default0]:"), runs["printed"]["A"]
+    assert f"{a['metrics']['perplexity']:.2f}" in written[0]
+
+    got, want = masks(runs["A"]), masks(runs["B"])
+    agreement = sum(int((got[k] == want[k]).sum()) for k in want) / sum(m.numel() for m in want.values())
+    print(f"mask agreement {agreement:.6f}; perplexity {a['metrics']['perplexity']:.4f} (2 ranks) vs "
+          f"{b['metrics']['perplexity']:.4f} (1 process)")
+    assert agreement >= 0.999
+    assert a["achieved_sparsity"] == b["achieved_sparsity"] == pytest.approx(0.5)
+    for fa, fb in ((a["metrics"], b["metrics"]), (a["reference"]["metrics"], b["reference"]["metrics"])):
+        assert fa["perplexity"] == pytest.approx(fb["perplexity"], rel=5e-3)
+        assert fa["stereotype_score"] == pytest.approx(fb["stereotype_score"], abs=0.02)
+    assert a["calibration"] == b["calibration"]  # the reported sample counts are the whole run's
+
+
+def test_evaluate_under_torchrun_matches_one_process(runs):
+    """``evaluate`` of the dense model on two ranks gives what one process measured for it (B's reference)."""
+    assert files(runs["E"].parent) == ["E/report.json"]
+    got, want = report(runs["E"])["metrics"], report(runs["B"])["reference"]["metrics"]
+    print(f"evaluate: perplexity {got['perplexity']:.4f} (2 ranks) vs {want['perplexity']:.4f} (1 process)")
+    assert got["perplexity"] == pytest.approx(want["perplexity"], rel=5e-3)
+    assert got["stereotype_score"] == pytest.approx(want["stereotype_score"], abs=0.02)
+    printed = [line for line in runs["printed"]["E"].splitlines() if re.search(r"\[evaluate\].*perplexity", line)]
+    assert len(printed) == 1 and printed[0].startswith("[default0]:"), runs["printed"]["E"]
+
+def test_each_rank_works_on_its_shard(monkeypatch, one_thread):
+    """As rank 1 of 2 (reductions left out): calibration gets windows and pairs 1, 3, ..., perplexity
+    covers windows 1, 3, ... and the stereotype score pairs 1, 3, ..."""
+    from tiny_models import BUILDERS, VOCAB
+
+    from fairprune import distributed
+    from fairprune.metrics import language
+    from fairprune.pruning import llm
+
+    torch.manual_seed(0)
+    model = BUILDERS["gpt2"]().eval()
+    ids = torch.randint(0, VOCAB, (4 * 8,))
+    share = language.perplexity(model, ids.view(4, 8)[1::2].flatten(), seqlen=8)  # windows 1 and 3, alone
+    calib = torch.randint(0, VOCAB, (5, 8))
+    pairs = (torch.randint(0, VOCAB, (3, 6)), torch.randint(0, VOCAB, (3, 6)), torch.ones(3, 6, dtype=torch.bool))
+    seen, scored = [], []
+    make_inputs = llm.make_inputs
+    monkeypatch.setattr(llm, "make_inputs", lambda c, p, size: seen.append((c, p)) or make_inputs(c, p, size))
+    monkeypatch.setattr(language, "sentence_log_likelihoods",
+                        lambda model, tok, sentences, *a: scored.extend(sentences) or torch.zeros(len(sentences)))
+    monkeypatch.setattr(distributed, "world", lambda: (1, 2))
+    monkeypatch.setattr(distributed, "all_reduce_sum", lambda tensor: tensor)
+    monkeypatch.setattr(distributed, "broadcast", lambda tensor, src=0: tensor)
+
+    assert language.perplexity(model, ids, seqlen=8) == pytest.approx(share, rel=1e-6)
+    assert language.stereotype_score(model, None, [("a0", "b0"), ("a1", "b1"), ("a2", "b2"), ("a3", "b3")]) == 0.5
+    assert scored == ["a1", "b1", "a3", "b3"]
+    llm.prune_causal_lm(model, "debias-sparsegpt", 0.5, calib_ids=calib, pairs=pairs, progress=False)
+    (got_calib, got_pairs), = seen
+    assert torch.equal(got_calib, calib[1::2])
+    assert all(torch.equal(a, b[1::2]) for a, b in zip(got_pairs, pairs))
