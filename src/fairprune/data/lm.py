@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from fairprune.data.text import train_bpe_tokenizer, write_lm_corpus
 from fairprune.data.files import read_text
+from fairprune.data.shards import eval_sampler
 from fairprune.errors import UserError
 from fairprune.hub import cache_dir, load_tokenizer
 
@@ -104,7 +105,9 @@ class LMDataModule(L.LightningDataModule):
         self.val_ids = pack(encode(val), self.hparams.seqlen)
 
     def _loader(self, ids: torch.Tensor, shuffle: bool) -> DataLoader:
-        return DataLoader(TensorDataset(ids), batch_size=self.hparams.batch_size, shuffle=shuffle,
+        # Evaluation under DDP: this process's unpadded shard, so every window counts once.
+        sampler = None if shuffle else eval_sampler(len(ids))
+        return DataLoader(TensorDataset(ids), batch_size=self.hparams.batch_size, shuffle=shuffle, sampler=sampler,
                           num_workers=self.hparams.num_workers, persistent_workers=self.hparams.num_workers > 0)
 
     def train_dataloader(self) -> DataLoader:
