@@ -71,33 +71,42 @@ def _global_average(avg: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
     return total / n.clamp(min=1), int(n.item())
 
 
+def _accumulator(columns: int, device, dtype: torch.dtype) -> torch.Tensor:
+    """A float64 running average (float32 where the device has no float64). Each batch's product
+    is computed in ``dtype``; only the running sum is wide, so it hardly depends on the order the
+    samples arrive in and a sharded (torchrun) run reaches one process's Hessian and mask."""
+    wide = dtype if torch.device(device or "cpu").type == "mps" else torch.float64
+    return torch.zeros(columns, columns, device=device, dtype=wide)
+
+
 class Hessian:
     """Running ``H = 2/n Σ XXᵀ`` over calibration sequences, fed by :meth:`add_batch`."""
 
     def __init__(self, columns: int, device=None, dtype=torch.float32):
-        self.H = torch.zeros(columns, columns, device=device, dtype=dtype)
+        self.dtype = dtype
+        self.H = _accumulator(columns, device, dtype)
         self.count = 0
 
     def add_batch(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Add inputs ``x`` [batch, seq, cols]; ``mask`` [batch, seq] selects the tokens that count."""
         b = _batch_size(x)
-        rows = _tokens(x, mask).to(self.H.dtype)
-        # Rescale before adding so H stays an average (keeps fp32 well-ranged for long runs).
+        rows = _tokens(x, mask).to(self.dtype)
+        # Rescale before adding so H stays an average (well-ranged for long runs).
         self.H *= self.count / (self.count + b)
         self.count += b
-        rows = rows * math.sqrt(2 / self.count)
-        self.H += rows.T @ rows
+        self.H += (rows.T @ rows).to(self.H.dtype) * (2 / self.count)
 
     def value(self) -> torch.Tensor:
         """The Hessian, averaged over every process of a distributed run."""
-        return _global_average(self.H, self.count)[0]
+        return _global_average(self.H, self.count)[0].to(self.dtype)
 
 
 class PairedHessian:
     """Debias-SparseGPT Hessian: paired term plus an optional plain term (see module docstring)."""
 
     def __init__(self, columns: int, device=None, dtype=torch.float32):
-        self.P = torch.zeros(columns, columns, device=device, dtype=dtype)
+        self.dtype = dtype
+        self.P = _accumulator(columns, device, dtype)
         self.pairs = 0
         self.plain = Hessian(columns, device, dtype)
 
@@ -109,12 +118,12 @@ class PairedHessian:
                 "pad or truncate both sides of every pair to the same length"
             )
         b = _batch_size(x0)
-        a, c = _tokens(x0, mask).to(self.P.dtype), _tokens(x1, mask).to(self.P.dtype)
+        a, c = _tokens(x0, mask).to(self.dtype), _tokens(x1, mask).to(self.dtype)
         d = a - c
         # Running mean over pairs: every pair gets weight 1/P, early or late.
         self.P *= self.pairs / (self.pairs + b)
         self.pairs += b
-        self.P += (a.T @ a + c.T @ c + 2 * d.T @ d) / self.pairs
+        self.P += (a.T @ a + c.T @ c + 2 * d.T @ d).to(self.P.dtype) / self.pairs
 
     def add_batch(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Add unpaired inputs (plain SparseGPT term)."""
@@ -124,7 +133,7 @@ class PairedHessian:
         """Paired term plus plain term, each averaged over every process."""
         paired, _ = _global_average(self.P, self.pairs)
         plain, n_plain = _global_average(self.plain.H, self.plain.count)
-        return paired + plain if n_plain else paired
+        return (paired + plain if n_plain else paired).to(self.dtype)
 
 
 def inverse_hessian_cholesky(H: torch.Tensor, percdamp: float = 0.01, retries: int = 4) -> torch.Tensor:
