@@ -111,3 +111,23 @@ def test_exit_status_and_no_traceback_in_a_real_process(tmp_path):
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_progress_bars_can_be_turned_off(tmp_path, capsys):
+    """The always-present progress bar steps aside for --trainer.enable_progress_bar false."""
+    args = ["fit", "--config", _config("demo"), "--trainer.fast_dev_run", "1", "--trainer.accelerator", "cpu",
+            "--trainer.enable_progress_bar", "false", "--trainer.default_root_dir", str(tmp_path),
+            "--data.synthetic_size", "150", *SMALL]
+    assert main(args) == 0
+    assert json.loads((tmp_path / "report.json").read_text())["split"] == "val"
+    assert "it/s" not in capsys.readouterr().out  # no bar was drawn
+
+
+def test_compare_refuses_an_nm_pattern_for_vision(tmp_path, capsys):
+    from fairprune.cli.prune import main as prune_main
+
+    status = prune_main(["compare", "--ckpt", str(tmp_path / "dense.ckpt"), "--methods", "[magnitude]",
+                         "--sparsities", '["3:2"]', "--output", str(tmp_path / "out")])
+    assert status == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: ") and "fractions" in last and "3:2" in last
