@@ -108,7 +108,8 @@ class SequenceClassifier(GroupEvaluation, TrainingTerms, L.LightningModule):
     def _eval_step(self, stage: str, batch: Any) -> None:
         ids, mask, y, g = _unpack(batch)
         logits = self(ids, mask)
-        self.log(f"{stage}/loss", self.loss(logits, y), prog_bar=stage == "val", batch_size=len(y))
+        # sync_dist: under DDP every rank sees the same figure (it drives the LR scheduler's monitor).
+        self.log(f"{stage}/loss", self.loss(logits, y), prog_bar=stage == "val", batch_size=len(y), sync_dist=True)
         self.update_group_metrics(stage, logits, y, g)
 
     def configure_optimizers(self) -> Any:

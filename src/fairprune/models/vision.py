@@ -147,7 +147,8 @@ class VisionClassifier(GroupEvaluation, L.LightningModule):
     def _eval_step(self, stage: str, batch: Any) -> None:
         x, y, g = batch
         logits = self(x)
-        self.log(f"{stage}/loss", self.loss(logits, y), prog_bar=stage == "val", batch_size=len(y))
+        # sync_dist: under DDP every rank sees the same figure (it drives the LR scheduler's monitor).
+        self.log(f"{stage}/loss", self.loss(logits, y), prog_bar=stage == "val", batch_size=len(y), sync_dist=True)
         self.update_group_metrics(stage, logits, y, g)
 
     def configure_optimizers(self) -> Any:
