@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from fairprune.errors import UserError
+from fairprune.reporting.report import check_writable
 
 LOCK_NAME = ".lock"
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")
@@ -183,7 +184,8 @@ class RunLock:
 def locked(folder: Callable[..., str | os.PathLike | None]) -> Callable[[F], F]:
     """Decorator: run the function holding the lock of ``folder(**its arguments)`` (None: no lock).
 
-    ``@locked(lambda output, **_: output)`` locks a command's ``--output`` for as long as it runs.
+    ``@locked(lambda output, **_: output)`` locks a command's ``--output`` for as long as it runs,
+    after checking that the folder can be written (the one place every command checks it).
     The signature and docstring stay the function's (``prune.py`` builds its options from them).
     """
 
@@ -197,6 +199,7 @@ def locked(folder: Callable[..., str | os.PathLike | None]) -> Callable[[F], F]:
             path = folder(**bound.arguments)
             if path is None:
                 return function(*args, **kwargs)
+            check_writable(path)  # an unwritable folder fails here, before any work, with one line
             with RunLock(path):
                 return function(*args, **kwargs)
 

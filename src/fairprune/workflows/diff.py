@@ -15,7 +15,6 @@ from fairprune.callbacks.diff_pruning import DiffPruning, root_model
 from fairprune.pruning import diff
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.lock import locked
-from fairprune.reporting.report import check_writable
 
 
 def _trainer(max_epochs: int, callbacks: list[L.Callback], **kwargs: Any) -> L.Trainer:
@@ -59,8 +58,6 @@ def compare_diff_pruning(module: L.LightningModule, datamodule: L.LightningDataM
 
     import pandas as pd
 
-    if output is not None:
-        check_writable(output)
     diff.check_fraction(target_fraction)
     out = Path(output) if output is not None else Path(tempfile.mkdtemp(prefix="diffprune_"))
     kwargs = dict(trainer_kwargs or {})

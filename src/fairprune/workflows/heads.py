@@ -18,7 +18,6 @@ from fairprune.hub import load_model, load_tokenizer, resolve_device
 from fairprune.pruning import registry
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.lock import locked
-from fairprune.reporting.report import check_writable
 from fairprune.reporting.runs import write_head_run
 from fairprune.workflows.options import HeadOptions, LMOptions
 
@@ -58,7 +57,6 @@ def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = 
         method: fasp, fairness, performance, magnitude, gradient or random.
         heads: what to protect and remove, and how bias is measured.
     """
-    check_writable(output)
     registry.get(method, "heads")
     _check_ratio("alpha", heads.alpha)
     _check_ratio("gamma", heads.gamma)
@@ -77,7 +75,6 @@ def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output
     """FASP and its baselines at several α from one model: heads are scored once (the first run
     writes ``head_scores.csv``; later runs resume from a copy of it), one table of bias and
     perplexity in ``output``."""
-    check_writable(output)
     for method in methods:
         registry.get(method, "heads")
     for alpha in alphas:

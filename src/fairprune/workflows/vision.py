@@ -34,7 +34,6 @@ from fairprune.reporting.plots import plot_error_rate_changes, plot_group_shares
 from fairprune.reporting.atomic import write_text
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.lock import locked
-from fairprune.reporting.report import check_writable
 from fairprune.workflows.options import DataOptions, TrainerOptions
 
 
@@ -115,7 +114,6 @@ def prune_vision(
         resume: checkpoint of an interrupted pruning run to resume.
         seed: global seed.
     """
-    check_writable(output)
     report, _ = _prune(ckpt, pruning, output, name, trainer, data, resume, seed)
     print(f"[prune] {report.get('method')}: accuracy {report.get('metrics', {}).get('accuracy', float('nan')):.4f}, "
           f"sparsity {report.get('achieved_sparsity', float('nan')):.4f}")
@@ -179,7 +177,6 @@ def compare_vision(
     (per-group FPR / FNR change with 95 % ellipses per method) and ``group_shares.png``
     (FairGRAPE's per-layer share of group importance) into ``output``.
     """
-    check_writable(output)
     if not methods or not sparsities:
         raise UserError("compare needs at least one method and one sparsity")
     for method in methods:  # validate every cell before the first long run starts
