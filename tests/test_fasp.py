@@ -198,9 +198,11 @@ def test_sampling_is_seeded_and_leaves_the_global_rng_alone(tokenizer):
 # --------------------------------------------------------------------------------------------
 
 
-def evaluator(model, tokenizer, corpus, scorer) -> Evaluator:
-    return Evaluator(model=model, tokenizer=tokenizer, prompts=small_prompts(), ppl_ids=token_ids(tokenizer, corpus.validation)[:512],
-                     scorer=scorer, generation=GEN, seqlen=32, ppl_batch_size=16)
+def evaluator(model, tokenizer, corpus, scorer, max_batch=None, generation=GEN, ppl_batch_size=16, prompts=None,
+              ppl_tokens=512) -> Evaluator:
+    return Evaluator(model=model, tokenizer=tokenizer, prompts=small_prompts() if prompts is None else prompts,
+                     ppl_ids=token_ids(tokenizer, corpus.validation)[:ppl_tokens], scorer=scorer, generation=generation,
+                     seqlen=32, ppl_batch_size=ppl_batch_size, max_batch=max_batch)
 
 
 def test_head_scores_match_a_gated_measurement(tokenizer, corpus, tmp_path):
@@ -217,14 +219,16 @@ def test_head_scores_match_a_gated_measurement(tokenizer, corpus, tmp_path):
     assert scores.perplexity.nunique() > 1  # the heads do differ
 
 
-def test_interrupted_scoring_resumes_without_recomputing(tokenizer, corpus, tmp_path):
+@pytest.mark.parametrize("batched", [False, True], ids=["one-at-a-time", "batched"])
+def test_interrupted_scoring_resumes_without_recomputing(tokenizer, corpus, tmp_path, batched):
     model = tiny_gpt2(tokenizer)
     path = tmp_path / "head_scores.csv"
+    rows = len(small_prompts())  # batched: one configuration's continuations per forward, one head per round
     with pytest.raises(KeyboardInterrupt):
-        score_heads(evaluator(model, tokenizer, corpus, LetterShare(fail_after=4)), path, progress=False)
+        score_heads(evaluator(model, tokenizer, corpus, LetterShare(fail_after=4), rows), path, progress=False, batched=batched)
     assert len(pd.read_csv(path)) == 4  # the unpruned row and three heads were kept
     resumed_scorer = LetterShare()
-    resumed = score_heads(evaluator(model, tokenizer, corpus, resumed_scorer), path, progress=False)
+    resumed = score_heads(evaluator(model, tokenizer, corpus, resumed_scorer, rows), path, progress=False, batched=batched)
     assert resumed_scorer.calls == 9 - 4
     fresh = score_heads(evaluator(model, tokenizer, corpus, LetterShare()), tmp_path / "fresh.csv", progress=False)
     assert len(resumed) == 9 and not resumed.duplicated(["layer", "head"]).any()
@@ -250,6 +254,100 @@ def test_resuming_with_other_settings_is_refused(tokenizer, corpus, tmp_path):
     other.generation = Generation(max_new_tokens=3)
     with pytest.raises(UserError, match="other settings"):
         score_heads(other, path, progress=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Batched scoring against the one-at-a-time loop
+# --------------------------------------------------------------------------------------------
+
+
+def tiny_llama(tokenizer, seed: int = 0):
+    """Three layers, four query heads over two key/value heads (grouped-query attention)."""
+    torch.manual_seed(seed)
+    return tf.LlamaForCausalLM(tf.LlamaConfig(
+        num_hidden_layers=3, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=len(tokenizer), max_position_embeddings=64, bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)).eval()
+
+
+@pytest.mark.parametrize("max_batch", [None, 7], ids=["auto", "7-rows"])
+@pytest.mark.parametrize("build", [tiny_gpt2, tiny_llama], ids=["gpt2", "llama"])
+def test_batched_head_scores_equal_the_one_at_a_time_loop(tokenizer, corpus, tmp_path, build, max_batch):
+    """The same head_scores.csv, byte for byte: perplexity (prefix reuse, many configurations per
+    forward) and bias (prompts × configurations per forward, the same sampled tokens)."""
+    model = build(tokenizer)
+    # Odd sizes: the batched path's chunks cut windows, prompts and configurations unevenly.
+    settings = Generation(max_new_tokens=6, batch_size=5)
+    small = dict(ppl_batch_size=3, prompts=small_prompts().iloc[::5], ppl_tokens=320)  # 14 prompts (every bucket), 10 windows
+    one = score_heads(evaluator(model, tokenizer, corpus, LetterShare(), generation=settings, **small),
+                      tmp_path / "one.csv", progress=False, batched=False)
+    many = score_heads(evaluator(model, tokenizer, corpus, LetterShare(), max_batch, settings, **small),
+                       tmp_path / "many.csv", progress=False)
+    assert (tmp_path / "many.csv").read_text() == (tmp_path / "one.csv").read_text()
+    pd.testing.assert_frame_equal(many, one)
+    assert one.perplexity.nunique() == len(one) and one["bias:religion"].nunique() > 1  # the heads do differ
+
+
+def test_generation_is_the_same_in_any_batch(tokenizer):
+    """Each (prompt, configuration) row writes the same tokens alone, in prompt batches of any size,
+    or batched with other configurations."""
+    from fairprune.pruning.fasp.sampling import generate_configurations
+
+    model = tiny_llama(tokenizer)
+    texts = small_prompts().text.tolist()
+    settings = Generation(max_new_tokens=8, batch_size=4)
+    gates = HeadGates(model)
+    configs = torch.ones(3, *gates.values.shape)
+    configs[1, 0, 1] = 0
+    configs[2, 2, 3] = configs[2, 1, 0] = 0
+    together = generate_configurations(model, tokenizer, texts, configs, settings, rows_per_pass=11)
+    for config, batched in zip(configs, together):
+        gates.set(config)
+        with gates:
+            assert generate_continuations(model, tokenizer, texts, settings) == batched
+            assert generate_continuations(model, tokenizer, texts, Generation(max_new_tokens=8, batch_size=64)) == batched
+    assert together[0] != together[1] and together[0] != together[2]
+    assert together[0][:3] == generate_continuations(model, tokenizer, texts[:3], settings)  # one prompt's draws are its own
+
+
+@pytest.mark.parametrize("model_type", ["gpt2", "gpt_neo", "opt", "llama", "mistral"])
+def test_prefix_reuse_gives_the_full_forward_perplexity(model_type):
+    """Every causal family: the perplexity of each configuration from the stored layer-boundary
+    states equals :func:`perplexity` with those heads gated off."""
+    from tiny_models import BUILDERS, VOCAB
+
+    from fairprune.metrics.language import perplexity
+    from fairprune.pruning.fasp.batched import perplexities
+
+    torch.manual_seed(0)
+    model = BUILDERS[model_type]().eval()
+    ids = torch.randint(1, VOCAB, (7 * 16,), generator=torch.Generator().manual_seed(2))
+    gates = HeadGates(model)
+    sets = [[], [(0, 2)], [(1, 0)], [(1, 3), (1, 1)], [(0, 0), (1, 2)]]
+    configs = torch.ones(len(sets), *gates.values.shape)
+    for row, heads in enumerate(sets):
+        for layer, head in heads:
+            configs[row, layer, head] = 0
+    got = perplexities(model, ids, 16, 2, configs, rows_per_pass=5)
+    for heads, value in zip(sets, got):
+        with gates, gates.off(heads):
+            assert value == perplexity(model, ids, seqlen=16, batch_size=2), heads
+    assert len(set(got)) == len(sets)
+
+
+def test_batched_gamma_search_measures_what_one_trial_at_a_time_does(tokenizer, corpus):
+    model = tiny_gpt2(tokenizer)
+    scores = fake_scores(layers=2, heads=4, axes=("gender_and_sex", "religion"))
+    runs = [search_gamma(evaluator(model, tokenizer, corpus, LetterShare(), max_batch=9), scores, alpha=0.25,
+                         axes=["religion"], gammas=(0.0, 0.5), baselines=("random", "magnitude"), batched=batched)
+            for batched in (False, True)]
+    assert runs[0] == runs[1] and len(runs[0]["trials"]) == 4
+
+
+def test_max_batch_must_be_positive(tokenizer, corpus, tmp_path):
+    with pytest.raises(UserError, match="max_batch"):
+        run_fasp(tiny_gpt2(tokenizer), tokenizer, small_prompts(), corpus.validation, scorer=LetterShare(),
+                 output_dir=tmp_path, generation=GEN, seqlen=32, progress=False, max_batch=0)
 
 
 # --------------------------------------------------------------------------------------------

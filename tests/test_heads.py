@@ -98,6 +98,38 @@ def test_gates_reject_unknown_heads():
         gates.set(torch.ones(3, 3))
 
 
+@pytest.mark.parametrize("model_type", list(BUILDERS))
+def test_per_row_gates_give_each_row_its_own_head_set(model_type):
+    """One batch, one configuration per row: each row's logits are those of its head set gated off
+    with ``off`` alone (bit for bit on a CPU), whatever the other rows carry."""
+    model = build(model_type)
+    gates = HeadGates(model)
+    sets = [[], HEAD_SETS["mixed"], [(1, 2)], HEAD_SETS["whole-layer"]]
+    configs = torch.ones(len(sets), *gates.values.shape)
+    for row, heads in enumerate(sets):
+        for layer, head in heads:
+            configs[row, layer, head] = 0
+    batch = ids(1).expand(len(sets), -1)
+    with gates, gates.per_row(configs), torch.no_grad():
+        together = model(input_ids=batch).logits
+    for row, heads in enumerate(sets):
+        with gates, gates.off(heads), torch.no_grad():
+            alone = model(input_ids=ids(1)).logits[0]
+        assert torch.equal(together[row], alone), (row, heads)
+    assert not torch.allclose(together[0], together[1], atol=1e-3)  # the configurations differ
+    assert gates.rows is None  # per_row() restores
+
+
+def test_per_row_gates_are_checked():
+    model = build("gpt2")
+    gates = HeadGates(model)
+    with pytest.raises(UserError, match="batch, layers, heads"):
+        with gates.per_row(torch.ones(2, 3, 4)):
+            pass
+    with gates, gates.per_row(torch.ones(3, 2, 4)), pytest.raises(UserError, match="3 rows"):
+        model(input_ids=ids(2))
+
+
 def gated_setup(model_type: str, heads: str):
     """A fresh model, the head set, and the logits with those heads gated off."""
     model = build(model_type)

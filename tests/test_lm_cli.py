@@ -8,6 +8,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM
 
 from fairprune.cli.train import main as train_main
@@ -57,7 +58,7 @@ def trained(tmp_path_factory) -> Path:
     status = train_main(["fit", "--config", str(ROOT / "configs/lm/tiny_gpt2_sparsegpt.yaml"), *TINY,
                          "--model.init_args.config", GPT2, "--trainer.logger.init_args.save_dir", str(out),
                          "--trainer.callbacks.init_args.nsamples", "4", "--trainer.callbacks.init_args.seqlen", "32",
-                         "--trainer.callbacks.init_args.device", "cpu"])
+                         "--trainer.callbacks.init_args.device", "cpu", "--threads", "1"])
     assert status == 0
     return out / "lm" / "tiny_gpt2_sparsegpt"
 
@@ -75,6 +76,9 @@ def test_fit_trains_then_prunes(trained):
     assert (w_dense == 0).float().mean() < 0.01  # the dense export is untouched
     dense_report = json.loads((trained / "report.json").read_text())
     assert dense_report["metrics"]["perplexity"] > 1
+    # train.py --threads: parsed into the run's config, and every report says what torch ran with.
+    assert yaml.safe_load((trained / "config.yaml").read_text())["threads"] == 1
+    assert dense_report["threads"] == report["threads"] == 1
 
 
 @pytest.mark.parametrize("method, sparsity", [("magnitude", "0.5"), ("wanda", "2:4"), ("sparsegpt", "2:4"),

@@ -83,15 +83,16 @@ def finish(process: subprocess.Popen) -> str:
 
 @pytest.fixture(scope="module")
 def runs(tiny_lm, tmp_path_factory, one_thread) -> dict:
-    """SparseGPT 2:4 under torchrun (2 ranks) into ``A`` and in this process into ``B``, and
-    ``evaluate`` of the dense model under torchrun into ``E``, one after the other (run side by side
-    on two cores they take longer)."""
+    """SparseGPT 2:4 under torchrun (2 ranks) into ``A`` and in this process into ``B`` (measuring
+    the dense model again: ``--dense_cache false``), and ``evaluate`` of the dense model under
+    torchrun into ``E`` (its figures from the cache A's rank 0 wrote), one after the other (run side
+    by side on two cores they take longer)."""
     root = tmp_path_factory.mktemp("torchrun-runs")
     # 2:4 is the pattern where near-ties flip most easily: the strictest agreement check.
     sgpt = ["sparsegpt", "--model", str(tiny_lm["model"]), "--sparsity", "2:4", "--nsamples", "16", *tiny_lm["lm"]]
     evaluate = ["evaluate", "--model", str(tiny_lm["model"]), *tiny_lm["lm"], "--output", "E"]
     printed = {"A": finish(torchrun([*sgpt, "--output", "A"], root / "a")), "E": finish(torchrun(evaluate, root / "e"))}
-    assert prune_main([*sgpt, "--output", str(root / "b" / "B")]) == 0  # one process, no group
+    assert prune_main([*sgpt, "--output", str(root / "b" / "B"), "--dense_cache", "false"]) == 0  # one process, no group
     return {"A": root / "a" / "A", "B": root / "b" / "B", "E": root / "e" / "E", "printed": printed}
 
 
@@ -135,9 +136,14 @@ def test_sparsegpt_under_torchrun_matches_one_process(runs):
 
 
 def test_evaluate_under_torchrun_matches_one_process(runs):
-    """``evaluate`` of the dense model on two ranks gives what one process measured for it (B's reference)."""
+    """``evaluate`` of the dense model on two ranks gives what one process measured for it (B's
+    reference); both ranks took it from the cache A's rank 0 wrote (a rank that disagreed would
+    hang the other, or measure alone)."""
     assert files(runs["E"].parent) == ["E/report.json"]
-    got, want = report(runs["E"])["metrics"], report(runs["B"])["reference"]["metrics"]
+    evaluated = report(runs["E"])
+    assert evaluated["from_cache"] is True and report(runs["A"])["reference"]["from_cache"] is False
+    assert evaluated["metrics"] == report(runs["A"])["reference"]["metrics"]
+    got, want = evaluated["metrics"], report(runs["B"])["reference"]["metrics"]
     print(f"evaluate: perplexity {got['perplexity']:.4f} (2 ranks) vs {want['perplexity']:.4f} (1 process)")
     assert got["perplexity"] == pytest.approx(want["perplexity"], rel=5e-3)
     assert got["stereotype_score"] == pytest.approx(want["stereotype_score"], abs=0.02)
@@ -175,3 +181,53 @@ def test_each_rank_works_on_its_shard(monkeypatch, one_thread):
     (got_calib, got_pairs), = seen
     assert torch.equal(got_calib, calib[1::2])
     assert all(torch.equal(a, b[1::2]) for a, b in zip(got_pairs, pairs))
+
+
+# --------------------------------------------------------------------------------------------
+# FASP: heads scored in shares across two ranks
+# --------------------------------------------------------------------------------------------
+
+
+def weights(folder: Path) -> dict[str, torch.Tensor]:
+    return AutoModelForCausalLM.from_pretrained(folder).state_dict()
+
+
+@pytest.mark.slow  # three launches of two processes: about a minute on two cores
+def test_fasp_under_torchrun_matches_one_process(tiny_lm, tmp_path, one_thread):
+    """``prune.py fasp`` on two ranks (each scores every other head, rank 0 writes) gives one
+    process's head_scores.csv byte for byte, the same heads removed, report and saved model; a rerun
+    on a cut journal keeps its rows, scores the rest and ends with the same journal."""
+    from fairprune.data.prompts import holistic_prompts, write_prompts
+
+    frame = holistic_prompts(["gender_and_sex", "religion"])
+    prompts = write_prompts(tmp_path / "prompts.csv", frame[frame.descriptor.isin(
+        ["female", "male", "trans", "nonbinary", "Christian", "Muslim", "Jewish", "Hindu"])])
+    fasp = ["fasp", "--model", str(tiny_lm["model"]), "--gamma", "0.25", "--alpha", "0.25", "--axis", "all",
+            "--scorer", "lexicon", "--prompts", str(prompts), "--max_new_tokens", "4", "--max_batch", "24", "--calib_text", str(tiny_lm["model"].parent / "eval.txt"),
+            *tiny_lm["lm"]]  # 24 rows: one head per rank and round, rounds of two heads
+    printed = finish(torchrun([*fasp, "--output", "A"], tmp_path / "a"))
+    assert prune_main([*fasp, "--output", str(tmp_path / "b" / "B")]) == 0  # one process, no group
+    a, b = tmp_path / "a" / "A", tmp_path / "b" / "B"
+
+    assert (a / "head_scores.csv").read_text() == (b / "head_scores.csv").read_text()
+    assert (a / "head_scores.json").read_text() == (b / "head_scores.json").read_text()
+    ra, rb = report(a), report(b)
+    assert ra["heads_removed"] == rb["heads_removed"] and len(ra["heads_removed"]) == 2
+    assert ra["protected"] == rb["protected"]
+    assert {k: ra[k] for k in ("metrics", "fairness", "reference", "removal")} == {k: rb[k] for k in ("metrics", "fairness", "reference", "removal")}
+    got, want = weights(a), weights(b)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    # Only rank 0 wrote, and printed the summary once.
+    assert files(a) == files(b) and files(a.parent) == [f"A/{name}" for name in files(a)]
+    summary = [line for line in printed.splitlines() if "[fasp]" in line and "written to" in line]
+    assert len(summary) == 1 and summary[0].startswith("[default0]:"), printed
+
+    # Resume: keep the header and three rows of the journal; the rerun scores the other six heads.
+    c = tmp_path / "c" / "C"
+    c.mkdir(parents=True)
+    lines = (b / "head_scores.csv").read_text().splitlines(keepends=True)
+    (c / "head_scores.csv").write_text("".join(lines[:4]))
+    (c / "head_scores.json").write_text((b / "head_scores.json").read_text())
+    finish(torchrun([*fasp, "--output", "C"], tmp_path / "c"))
+    assert (c / "head_scores.csv").read_text() == (b / "head_scores.csv").read_text()
+    assert report(c)["heads_removed"] == rb["heads_removed"]

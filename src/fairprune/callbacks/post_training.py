@@ -80,7 +80,8 @@ class PostTrainingPruning(L.Callback):
         out = run_dir(trainer) / f"pruned-{self.method}"
         texts = LMTexts(train_text, val_text, calib_pairs, eval_pairs)
         settings = {**self.settings, "device": resolve_device(self.settings["device"])}
-        report, layers = prune_and_measure(model, pl_module.tokenizer, self.method, self.sparsity, texts, seed=self.seed, **settings)
+        report, layers = prune_and_measure(model, pl_module.tokenizer, self.method, self.sparsity, texts, seed=self.seed,
+                                           progress=trainer.progress_bar_callback is not None, **settings)
         self.report = {"method": self.method, "model": str(run_dir(trainer) / "model"), **report}
         write_lm_run(out, model, pl_module.tokenizer, self.report,
                      {"method": self.method, "sparsity": str(self.sparsity), "pairs": self.pairs, **self.settings}, layers)
@@ -95,7 +96,7 @@ class PostTrainingPruning(L.Callback):
         f = self.fasp
         run = run_fasp(model, pl_module.tokenizer, None, val_text, "fasp", f["gamma"], f["alpha"], f["axis"],
                        f["scorer"], out, generation=Generation(max_new_tokens=f["max_new_tokens"], seed=self.seed),
-                       seqlen=self.settings["seqlen"], seed=self.seed)
+                       seqlen=self.settings["seqlen"], seed=self.seed, progress=trainer.progress_bar_callback is not None)
         self.report = {**run.report, "model": str(run_dir(trainer) / "model")}
         run.report = self.report
         write_head_run(out, model, pl_module.tokenizer, run, {"method": "fasp", **f, "seed": self.seed, **self.settings})

@@ -21,6 +21,15 @@ the lower index; a pruned weight is never revived).
 At the first step the dense model's per-group validation figures become the reference: from then
 on every validation logs each group's degradation and their std / variance, and the report carries
 the dense figures under ``reference``.
+
+BatchNorm recalibration (``bn_recalibration`` batches, 0 = off): at the end of every training epoch
+once pruning has begun — after each step's retraining, the last one included — the BatchNorm
+running statistics are re-estimated over that many training batches, so the epoch's validation, its
+checkpoint, the next step's scores and the final test all read statistics of the current weights
+(:func:`fairprune.pruning.batchnorm.recalibrate_batchnorm`; under DDP each process forwards its
+share and the statistics are summed, so every replica holds the same ones). Right after a step,
+before retraining, nothing reads them (training normalises with batch statistics and overwrites the
+running ones), so no recalibration is spent there.
 """
 
 from __future__ import annotations
@@ -39,7 +48,8 @@ from fairprune.errors import UserError
 from fairprune.metrics.group import GroupRates, result_values
 from fairprune.pruning import importance as imp
 from fairprune.pruning import registry, select
-from fairprune.pruning.fairgrape import layer_quota, select_layer_mask
+from fairprune.pruning.batchnorm import batchnorm_layers, recalibrate_batchnorm
+from fairprune.pruning.fairgrape import layer_quota, select_layer_masks
 from fairprune.pruning.masks import Target, achieved_sparsity, apply_mask, prunable_targets
 
 
@@ -87,6 +97,8 @@ class IterativePruning(L.Callback):
         score_batches: batches used by SNIP and GraSP.
         rewind_epoch: lottery ticket: epoch whose starting weights the kept weights rewind to.
         seed: seeds random pruning and k-means.
+        bn_recalibration: training batches over which BatchNorm running statistics are
+            re-estimated at the end of every retraining epoch, the last included (0: never).
     """
 
     def __init__(
@@ -104,6 +116,7 @@ class IterativePruning(L.Callback):
         score_batches: int = 1,
         rewind_epoch: int = 0,
         seed: int = 0,
+        bn_recalibration: int = 20,
     ) -> None:
         registry.get(method, "vision")
         _check_target_sparsity(target_sparsity)
@@ -113,6 +126,8 @@ class IterativePruning(L.Callback):
             raise UserError("retrain_epochs and score_batches must be >= 1 and start_epoch >= 0")
         if not 0.0 < importance_fraction <= 1.0:
             raise UserError(f"importance_fraction must be in (0, 1], got {importance_fraction}")
+        if not isinstance(bn_recalibration, int) or isinstance(bn_recalibration, bool) or bn_recalibration < 0:
+            raise UserError(f"bn_recalibration is a number of batches, 0 or more (0: off), got {bn_recalibration!r}")
         if groups not in ("labels", "kmeans"):
             raise UserError(f"groups must be 'labels' or 'kmeans', got '{groups}'")
         self.method, self.target_sparsity, self.keep_per_iter = method, target_sparsity, keep_per_iter
@@ -120,6 +135,9 @@ class IterativePruning(L.Callback):
         self.importance_fraction, self.groups, self.num_clusters = importance_fraction, groups, num_clusters
         self.include_first, self.include_classifier = include_first, include_classifier
         self.score_batches, self.rewind_epoch, self.seed = score_batches, rewind_epoch, seed
+        self.bn_recalibration = bn_recalibration
+        self.recalibrations: list[dict[str, Any]] = []
+        self._recal_loader = None
         self.densities = density_schedule(target_sparsity, keep_per_iter)
         self.steps_done = 0
         self.reference: dict[str, float] | None = None
@@ -195,8 +213,8 @@ class IterativePruning(L.Callback):
                 for t in targets:
                     _weight_param(t).copy_(self._rewind[t.name].to(_weight_param(t).device))
         selected = time.perf_counter()
-        pl_module.train(was_training)
         self.steps_done += 1
+        pl_module.train(was_training)
         entry = {
             "step": self.steps_done, "epoch": trainer.current_epoch, "density": density,
             "achieved_sparsity": achieved_sparsity(targets),
@@ -206,6 +224,30 @@ class IterativePruning(L.Callback):
         print(f"[prune] {self.method} step {entry['step']}/{len(self.densities)} at epoch {entry['epoch']}: "
               f"sparsity {entry['achieved_sparsity']:.4f} (importance {entry['seconds_importance']:.1f} s, "
               f"selection {entry['seconds_selection']:.1f} s)", flush=True)
+
+    # -- BatchNorm recalibration -----------------------------------------------------------------
+    def recalibrate(self, trainer: L.Trainer, pl_module: L.LightningModule, after: str) -> None:
+        """Re-estimate the BatchNorm running statistics over ``bn_recalibration`` training batches
+        (every process calls it: under DDP the statistics are summed across processes)."""
+        if self.bn_recalibration == 0 or not batchnorm_layers(pl_module):
+            return
+        if self._recal_loader is None:
+            # A loader of its own (the whole training set, the same order on every process), so the
+            # fit's running iterator is never touched.
+            self._recal_loader = trainer.datamodule.train_dataloader()
+        start = time.perf_counter()
+        used = recalibrate_batchnorm(pl_module, self._recal_loader, self.bn_recalibration, pl_module.device)
+        self.recalibrations.append({"after": after, "epoch": trainer.current_epoch, "batches": used,
+                                    "seconds": time.perf_counter() - start})
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        # The end of every training epoch once pruning has begun (the retraining after each step,
+        # the last one included): before the epoch's validation, its checkpoint and the next step's
+        # scores, the only readers of the running statistics.
+        last_batch = batch_idx + 1 >= trainer.num_training_batches or trainer.fit_loop.epoch_loop.batch_progress.is_last_batch
+        if self.steps_done and last_batch:
+            self.recalibrate(trainer, pl_module, f"epoch {trainer.current_epoch}")
 
     def _set_reference(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """Measure the dense model on the validation and test splits (each split's degradation is
@@ -234,11 +276,12 @@ class IterativePruning(L.Callback):
         if self.method == "random":
             return imp.random_scores(targets, self.seed + self.steps_done)
         loader, num_groups, names = self._importance_loader(trainer, pl_module)
+        progress = trainer.progress_bar_callback is not None and trainer.is_global_zero  # enable_progress_bar
         if self.method == "snip":
-            return imp.snip_scores(pl_module, targets, loader, F.cross_entropy, device, self.score_batches)
+            return imp.snip_scores(pl_module, targets, loader, F.cross_entropy, device, self.score_batches, progress)
         if self.method == "grasp":
-            return imp.grasp_scores(pl_module, targets, loader, F.cross_entropy, device, self.score_batches)
-        return imp.group_scores(pl_module, targets, loader, F.cross_entropy, device, num_groups, names)
+            return imp.grasp_scores(pl_module, targets, loader, F.cross_entropy, device, self.score_batches, progress)
+        return imp.group_scores(pl_module, targets, loader, F.cross_entropy, device, num_groups, names, progress)
 
     def _select(self, targets: list[Target], scores: dict[str, torch.Tensor], density: float) -> list[torch.Tensor]:
         """Keep masks (True = keep) at ``density`` of every layer, never reviving a pruned weight."""
@@ -248,18 +291,13 @@ class IterativePruning(L.Callback):
             keeps = select.top_k({t.name: scores[t.name].cpu() for t in targets}, layer_quota(total, density),
                                  {t.name: t.mask.cpu() for t in targets})
             return [keeps[t.name] for t in targets]
-        keeps = []
-        for t in targets:
-            quota = layer_quota(t.weight.numel(), density)
-            candidates = t.mask.cpu()
-            if self.method == "fairgrape":
-                keep, share = select_layer_mask(scores[t.name], candidates, quota=min(quota, int(candidates.sum())),
-                                                report=True)
-                self.shares.append({"layer": t.name, "step": self.steps_done + 1, **share})
-            else:
-                keep = select.top_k(scores[t.name].cpu(), quota, candidates)
-            keeps.append(keep)
-        return keeps
+        if self.method == "fairgrape":  # every layer in one call: the layers run in parallel threads
+            candidates = [t.mask.cpu() for t in targets]
+            quotas = [min(layer_quota(t.weight.numel(), density), int(c.sum())) for t, c in zip(targets, candidates)]
+            chosen = select_layer_masks([scores[t.name] for t in targets], candidates, quotas, report=True)
+            self.shares += [{"layer": t.name, "step": self.steps_done + 1, **share} for t, (_, share) in zip(targets, chosen)]
+            return [keep for keep, _ in chosen]
+        return [select.top_k(scores[t.name].cpu(), layer_quota(t.weight.numel(), density), t.mask.cpu()) for t in targets]
 
     # -- logging, report, resume -----------------------------------------------------------------
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -288,16 +326,18 @@ class IterativePruning(L.Callback):
                                   "groups_from": self.groups}
         if self.reference is not None:
             fields["reference"] = {"method": "dense", **self.reference}
+        fields["bn_recalibration"] = {"batches": self.bn_recalibration, "done": self.recalibrations}
         fields["seconds"] = {
             "importance": sum(h["seconds_importance"] for h in self.history),
             "selection": sum(h["seconds_selection"] for h in self.history),
+            "bn_recalibration": sum(r["seconds"] for r in self.recalibrations),
         }
         return fields
 
     def state_dict(self) -> dict[str, Any]:
         return {"steps_done": self.steps_done, "reference": self.reference, "history": self.history,
                 "rewind": self._rewind, "method": self.method, "densities": self.densities,
-                "shares": self.shares, "group_labels": self._group_labels}  # a resumed run's group_shares.csv keeps every step
+                "shares": self.shares, "group_labels": self._group_labels, "recalibrations": self.recalibrations}  # a resumed run's group_shares.csv keeps every step
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("method") != self.method or state.get("densities") != self.densities:
@@ -305,6 +345,7 @@ class IterativePruning(L.Callback):
         self.steps_done, self.reference, self.history = state["steps_done"], state["reference"], state["history"]
         self._rewind = state.get("rewind")
         self.shares, self._group_labels = list(state.get("shares", [])), list(state.get("group_labels", []))
+        self.recalibrations = list(state.get("recalibrations", []))
 
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 import lightning as L
 import pandas as pd
+import torch
 
 from fairprune.callbacks.history import continue_metrics
 from fairprune.pruning.masks import achieved_sparsity, prunable_targets, sparsity_table
@@ -99,6 +100,7 @@ class ReportWriter(L.Callback):
         report["achieved_sparsity"] = achieved_sparsity(targets)
         report.update({"metrics": {}, "groups": {}, "fairness": {}, **results})  # as the module measured them
         report.setdefault("seconds", {})["total"] = self._elapsed()
+        report["threads"] = torch.get_num_threads()  # CPU threads torch ran with (train.py / prune.py --threads)
         if self.resumed is not None:
             report["resumed"] = dict(self.resumed)
         if not trainer.is_global_zero:  # under DDP every process returns the (synced) figures; rank 0 alone writes

@@ -7,13 +7,16 @@
 - Every run writes to ``runs/<experiment>/<method>/``: ``config.yaml``, ``metrics.csv``,
   checkpoints and ``report.json``.
 - A user mistake prints one line, ``error: ...``, and exits with status 2.
+- ``--threads N`` sets the CPU threads (torch, numba, OpenMP / MKL, the tokenizers) before the
+  model and data are built; unset, every library keeps its own choice. ``report.json`` says how
+  many torch ran with.
 """
 
 from __future__ import annotations
 
 import inspect
 from pkgutil import resolve_name
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from lightning.pytorch.cli import LightningCLI
@@ -23,6 +26,7 @@ from fairprune.callbacks.history import remember_metrics
 from fairprune.callbacks.progress import ProgressBar
 from fairprune.callbacks.report import ReportWriter
 from fairprune.cli.guard import guarded
+from fairprune.workflows.options import RunOptions
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "logger": {
@@ -47,6 +51,8 @@ class FairpruneCLI(LightningCLI):
         # ... stops at a NaN / inf loss or weight before anything is saved, and holds its folder's lock.
         parser.add_lightning_class_args(FiniteCheck, "finite")
         parser.add_lightning_class_args(RunFolderLock, "lock")
+        parser.add_argument("--threads", type=Optional[int], default=None,
+                            help="CPU threads for torch, numba, OpenMP / MKL and the tokenizers (default: torch's own choice)")
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
         # The always-present progress bar steps aside when the user turns progress bars off
@@ -60,6 +66,7 @@ class FairpruneCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
+        RunOptions(threads=cfg.get("threads")).apply()  # before the model, the data and their pools exist
         data_cfg, model_cfg = cfg.get("data"), cfg.get("model")
         if not data_cfg or not model_cfg or "class_path" not in data_cfg or "class_path" not in model_cfg:
             return

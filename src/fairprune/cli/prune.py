@@ -4,7 +4,10 @@ Each subcommand is a workflow function: its parameters are the command's options
 and the help from its docstring. A parameter typed with an option group of
 :mod:`fairprune.workflows.options` (``LMOptions``, ``SolverOptions``, ``HeadOptions``) adds that
 group's options flat (``--model``, ``--seqlen``, ...), so every LM command shares one set of names.
-Every subcommand takes ``--config file.yaml`` (keys = the option names) and ``--print_config``.
+Every subcommand takes ``--config file.yaml`` (keys = the option names), ``--print_config`` and the
+:class:`~fairprune.workflows.options.RunOptions` (``--threads N``, ``--quiet``): the thread count is
+set before the workflow starts, and ``--quiet`` reaches the workflow (a ``RunOptions`` parameter)
+or its Trainer (``enable_progress_bar: false``).
 
 Only the chosen subcommand's workflow is imported: ``prune.py --help`` loads neither torch nor
 Lightning.
@@ -22,7 +25,7 @@ from typing import Any, Callable, NamedTuple
 from fairprune.cli.guard import guarded
 from fairprune.errors import UserError, suggest
 from fairprune.pruning import registry
-from fairprune.workflows.options import DataOptions, HeadOptions, LMOptions, SolverOptions, TrainerOptions
+from fairprune.workflows.options import DataOptions, HeadOptions, LMOptions, RunOptions, SolverOptions, TrainerOptions
 
 
 class Command(NamedTuple):
@@ -62,7 +65,9 @@ COMMANDS = _commands()
 def compare(methods: list[str], output: str = "runs/compare", ckpt: str | None = None, model: str | None = None,
             sparsities: list[str | float] = [0.9], alphas: list[float] | None = None,
             pruning: dict[str, Any] = {}, trainer: TrainerOptions = {}, data: DataOptions = {}, seed: int = 0,
-            lm: LMOptions | None = None, solver: SolverOptions | None = None, heads: HeadOptions | None = None) -> Any:
+            seeds: list[int] | None = None, dense_per_seed: bool = False,
+            lm: LMOptions | None = None, solver: SolverOptions | None = None, heads: HeadOptions | None = None,
+            run: RunOptions | None = None) -> Any:
     """Compare methods x sparsities from one vision checkpoint (--ckpt) or one causal LM (--model).
 
     Args:
@@ -76,6 +81,8 @@ def compare(methods: list[str], output: str = "runs/compare", ckpt: str | None =
         trainer: vision: Trainer arguments.
         data: vision: data overrides (root, batch_size, num_workers, max_samples).
         seed: vision: the global seed; LM: the calibration sample, pair split and generation seed.
+        seeds: vision: run every cell once per seed (e.g. [0, 1, 2]); the table gives mean ± sd and n.
+        dense_per_seed: vision: train the dense model afresh per seed (the checkpoint's settings and epochs).
     """
     if (ckpt is None) == (model is None):
         raise UserError("compare needs exactly one of --ckpt (a vision checkpoint) or --model (a causal LM)")
@@ -83,15 +90,15 @@ def compare(methods: list[str], output: str = "runs/compare", ckpt: str | None =
         from fairprune.workflows.vision import compare_vision
 
         return compare_vision(ckpt, methods, [_fraction(s) for s in sparsities], dict(pruning), output, dict(trainer),
-                              dict(data), seed)
+                              dict(data), seed, seeds=seeds, dense_per_seed=dense_per_seed)
     lm = dataclasses.replace(lm, model=model)
     if alphas:
         from fairprune.workflows.heads import compare_heads
 
-        return compare_heads(lm, methods, alphas, output, heads)
+        return compare_heads(lm, methods, alphas, output, heads, run or RunOptions())
     from fairprune.workflows.lm import compare_lm
 
-    return compare_lm(lm, methods, [str(s) for s in sparsities], output, solver)
+    return compare_lm(lm, methods, [str(s) for s in sparsities], output, solver, run or RunOptions())
 
 
 def _fraction(value: str | float) -> float:
@@ -170,7 +177,7 @@ def build_parser(name: str):
         parser.add_class_arguments(IterativePruning, "pruning", help="pruning method and schedule")
         skip.add("pruning")
     parser.add_function_arguments(function, nested_key=None, skip=skip)
-    for group in dict.fromkeys(groups.values()):
+    for group in dict.fromkeys([*groups.values(), RunOptions]):  # every subcommand takes --threads, --quiet
         fields = {f.name for f in dataclasses.fields(group)}
         parser.add_class_arguments(group, nested_key=None,
                                    skip=(set(inspect.signature(function).parameters) | set(command.hide)) & fields)
@@ -185,15 +192,22 @@ def call(name: str, cfg) -> Any:
     function = _resolve(command.function)
     groups = _groups(function)
     kwargs: dict[str, Any] = dict(command.fixed)
+
+    def options(group: type) -> Any:
+        return group(**{f.name: cfg[f.name] for f in dataclasses.fields(group) if f.name in cfg})
+
     for param in inspect.signature(function).parameters:
         if param in kwargs:
             continue
         if param in groups:
-            group = groups[param]
-            kwargs[param] = group(**{f.name: cfg[f.name] for f in dataclasses.fields(group) if f.name in cfg})
+            kwargs[param] = options(groups[param])
         elif param in cfg:
             value = cfg[param]
             kwargs[param] = value.as_dict() if isinstance(value, Namespace) else value
+    run = options(RunOptions)
+    run.apply()  # before the workflow starts: every pool it sizes follows --threads
+    if run.quiet and "trainer" in inspect.signature(function).parameters:
+        kwargs["trainer"] = {**(kwargs.get("trainer") or {}), "enable_progress_bar": False}
     return function(**kwargs)
 
 
@@ -218,8 +232,18 @@ def run(args: list[str] | None = None) -> Any:
     name = argv[0]
     if name not in COMMANDS:
         raise UserError(f"unknown subcommand '{name}'{suggest(name, COMMANDS)}; choose one of {', '.join(COMMANDS)}")
-    cfg = build_parser(name).parse_args(argv[1:])
+    cfg = build_parser(name).parse_args(_bare_flags(argv[1:]))
     return call(name, cfg)
+
+
+def _bare_flags(argv: list[str], flags: tuple[str, ...] = ("--quiet",)) -> list[str]:
+    """``--quiet`` alone means ``--quiet true`` (a boolean option otherwise takes its value)."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        if arg in flags and (i + 1 == len(argv) or argv[i + 1].startswith("-")):
+            out.append("true")
+    return out
 
 
 def main(args: list[str] | None = None) -> int:

@@ -33,7 +33,8 @@ def top_level_parser():
 
     parser = ArgumentParser(prog="train.py", description="Train, validate or test a model from a YAML config "
                             "(python train.py fit --config configs/vision/demo.yaml); "
-                            "'train.py <subcommand> --help' lists every option.")
+                            "'train.py <subcommand> --help' lists every option, among them --threads N "
+                            "(CPU threads; default: torch's own choice).")
     parser.add_argument("--config", help="YAML file with any of the subcommand's options")
     commands = parser.add_subcommands(dest="subcommand")
     for name, summary in SUBCOMMANDS.items():

@@ -335,13 +335,35 @@ def calibration_ids(tokenizer, text: str | Iterable[str], nsamples: int, seqlen:
     return torch.stack([ids[s : s + seqlen] for s in starts.tolist()])
 
 
+DOCUMENT_SEPARATOR = EOS  # "<|endoftext|>": the separator between pre-training documents of GPT-2-style vocabularies
+
+
+def document_start(tokenizer) -> tuple[str, int] | None:
+    """``(token, id)`` a sentence is scored after: the model's plain start of a document.
+
+    Rule: the first of the tokenizer's BOS, its EOS and ``<|endoftext|>`` (when the vocabulary has
+    it) that is not a chat token, i.e. whose text does not appear in the tokenizer's chat template.
+    Chat tokens open or close a chat turn (SmolLM2-Instruct's BOS ``<|im_start|>`` and EOS
+    ``<|im_end|>``), not a document; ``<|endoftext|>`` is what such models saw between pre-training
+    documents. When every candidate is a chat token, the BOS (else the EOS) as for any other model;
+    ``None`` when the tokenizer has none of them."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    template = " ".join(template.values()) if isinstance(template, dict) else str(template)
+    candidates = [(tokenizer.bos_token, tokenizer.bos_token_id), (tokenizer.eos_token, tokenizer.eos_token_id)]
+    separator = tokenizer.convert_tokens_to_ids(DOCUMENT_SEPARATOR)
+    if isinstance(separator, int) and tokenizer.convert_ids_to_tokens(separator) == DOCUMENT_SEPARATOR:
+        candidates.append((DOCUMENT_SEPARATOR, separator))
+    candidates = [(str(token), int(i)) for token, i in candidates if token is not None and i is not None]
+    plain = [c for c in candidates if str(c[0]) not in template]
+    return (plain or candidates or [None])[0]
+
+
 def encode_sentence(tokenizer, sentence: str) -> list[int]:
-    """Token ids of one sentence, starting with BOS (or EOS) so its first word is predicted too."""
-    ids = tokenizer(sentence, verbose=False).input_ids
-    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    if start is not None and (not ids or ids[0] != start):
-        ids = [start, *ids]
-    return ids
+    """Token ids of one sentence after :func:`document_start`, so its first word is predicted too
+    (the tokenizer's own special tokens are not added)."""
+    ids = tokenizer(sentence, add_special_tokens=False, verbose=False).input_ids
+    start = document_start(tokenizer)
+    return [start[1], *ids] if start is not None else ids
 
 
 def paired_ids(tokenizer, pairs: list[tuple[str, str]], seqlen: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

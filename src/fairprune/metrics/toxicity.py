@@ -9,6 +9,10 @@ toxic). Two come with the project:
 * :class:`ClassifierScorer` — any Hugging Face sequence classifier by hub name or local folder
   (e.g. a RoBERTa toxicity model), loaded on first use.
 
+A third, :class:`~fairprune.metrics.jigsaw.JigsawScorer` (``"jigsaw"``), runs the Jigsaw
+toxic-comment classifier shipped by the optional ``toxic-comment-classifier`` package, offline;
+``"auto"`` picks it when that package is installed, else the lexicon.
+
 :func:`axis_bias` is eq. 1 of FASP: for one axis (gender, religion, ...),
 ``bias = Σ_s |mean_all − mean_s|`` over its subgroups ``s``, where ``mean_all`` is the mean
 toxicity over all prompts of the axis and ``mean_s`` the mean over the prompts of subgroup ``s``.
@@ -23,6 +27,7 @@ import pandas as pd
 import torch
 
 from fairprune.errors import UserError, suggest
+from fairprune.metrics import jigsaw
 
 
 @runtime_checkable
@@ -130,12 +135,41 @@ class ClassifierScorer:
 
 
 def make_scorer(spec: str | ToxicityScorer = "lexicon", **kwargs) -> ToxicityScorer:
-    """``"lexicon"`` → :class:`LexiconScorer`; any other string → :class:`ClassifierScorer`; a scorer passes."""
+    """A scorer from its name; a scorer passes as it is.
+
+    ``"lexicon"`` → :class:`LexiconScorer`; ``"jigsaw"`` (or ``"jigsaw:<label>"``, e.g.
+    ``jigsaw:insult``) → :class:`~fairprune.metrics.jigsaw.JigsawScorer`; ``"auto"`` → jigsaw when
+    the toxic-comment-classifier package is installed, else the lexicon (with a one-line note);
+    any other string → :class:`ClassifierScorer` (an HF classifier name or folder).
+    """
     if isinstance(spec, str):
-        return LexiconScorer(**kwargs) if spec == "lexicon" else ClassifierScorer(spec, **kwargs)
+        if spec == "auto":
+            if jigsaw.available():
+                return jigsaw.JigsawScorer(**kwargs)
+            print(f"[toxicity] note: {jigsaw.PACKAGE} is not installed, so toxicity is scored by the bundled lexicon "
+                  f"({jigsaw.INSTALL} for the Jigsaw classifier)", flush=True)
+            spec = "lexicon"
+        if spec == "lexicon":
+            return LexiconScorer(**kwargs)
+        if spec == "jigsaw" or spec.startswith("jigsaw:"):
+            jigsaw.package_dir()  # a missing package is an error now, not at the first score
+            label = spec.partition(":")[2]
+            return jigsaw.JigsawScorer(**({"label": label} if label else {}), **kwargs)
+        return ClassifierScorer(spec, **kwargs)
     if not isinstance(spec, ToxicityScorer):
         raise UserError(f"a toxicity scorer needs a score(texts) method; got {type(spec).__name__}")
     return spec
+
+
+def scorer_name(scorer: ToxicityScorer) -> str:
+    """What a report calls the scorer: ``lexicon``, ``jigsaw:<label>``, the classifier's name, else its type."""
+    if isinstance(scorer, LexiconScorer):
+        return "lexicon"
+    if isinstance(scorer, jigsaw.JigsawScorer):
+        return f"jigsaw:{scorer.label}"
+    if isinstance(scorer, ClassifierScorer):
+        return scorer.name_or_path
+    return type(scorer).__name__
 
 
 def axis_bias(toxicity: Sequence[float], subgroups: Sequence[str]) -> float:

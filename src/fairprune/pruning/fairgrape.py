@@ -15,33 +15,37 @@ not candidates and never return):
 Two implementations return the same mask, bit for bit, ties included:
 
 - :func:`greedy_select_reference` is the plain Python loop, kept as the test oracle;
-- :func:`greedy_select` sorts each group's candidates once (vectorised) and runs the pick loop
-  compiled with numba.
+- :func:`greedy_select` orders each group's candidates once with a radix sort and runs the pick
+  loop compiled with numba (:mod:`fairprune.pruning.fairgrape_kernels`);
+- :func:`select_layer_masks` runs a whole model's layers, several at a time in threads.
 
 Why a compiled per-pick loop rather than batching the picks between group switches: with
 near-balanced groups the chosen group changes at almost every pick, so batches have length ~1
 and batching saves nothing, while each pick costs only O(K) compiled operations. What remains
-is memory-bound: the K sorts (see ``_pack_row``) and, per pick, one random read of the chosen
-weight's K importances; on a 2.4 M-weight layer with 7 groups the two cost about the same.
+is memory: the K sorts and, per pick, one random read of the chosen weight's K importances,
+which the pick loop prefetches one turn ahead (see :func:`~fairprune.pruning.fairgrape_kernels.pick`).
 
 Why both implementations agree exactly: a group switch can hinge on the last bit of a share,
 so both do the same float64 operations in the same order. Sums are plain sequential sums in
 index order (never pairwise like ``numpy.sum``, never compensated like Python >= 3.12's
 ``sum``), shares are ``s_k / total`` and deficits ``share_k - t_k``. numba does not enable
 fast-math by default, so its float64 arithmetic is the same IEEE arithmetic as Python's.
+float32 importance (what :func:`~fairprune.pruning.importance.group_scores` returns) is read
+as float32 and widened on use: widening is exact, so it gives the mask of the same values in
+float64, with half the memory traffic.
 """
 
 from __future__ import annotations
 
 import math
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Sequence
 
-import numba
 import numpy as np
 import torch
 
 from fairprune.errors import UserError
+from fairprune.pruning import fairgrape_kernels as kernels
 
 __all__ = [
     "layer_quota",
@@ -49,6 +53,7 @@ __all__ = [
     "greedy_select_reference",
     "greedy_select",
     "select_layer_mask",
+    "select_layer_masks",
     "group_share_report",
 ]
 
@@ -59,13 +64,19 @@ __all__ = [
 
 
 def _as_importance(importance: Any) -> np.ndarray:
-    """Return ``importance`` as a C-contiguous float64 array of shape [K, N], validated.
+    """Return ``importance`` as a C-contiguous float32 or float64 array of shape [K, N], validated.
 
-    Accepts a torch tensor (any device) or anything ``numpy.asarray`` takes.
+    Accepts a torch tensor (any device) or anything ``numpy.asarray`` takes. float32 and float64
+    keep their type (a contiguous CPU float32 tensor is not even copied); any other type becomes
+    float64, which holds every float16, bfloat16 and float32 value exactly.
     """
     if isinstance(importance, torch.Tensor):
-        importance = importance.detach().to("cpu", torch.float64).numpy()
-    imp = np.ascontiguousarray(importance, dtype=np.float64)
+        importance = importance.detach().cpu()
+        if importance.dtype not in (torch.float32, torch.float64):
+            importance = importance.to(torch.float64)
+        importance = importance.numpy()
+    imp = np.asarray(importance)
+    imp = np.ascontiguousarray(imp, dtype=imp.dtype if imp.dtype in (np.float32, np.float64) else np.float64)
     if imp.ndim != 2 or imp.shape[0] < 1:
         raise ValueError(
             f"importance must have shape [groups, weights] with at least one group, "
@@ -101,6 +112,7 @@ def layer_quota(num_candidates: int, keep_fraction: float) -> int:
     if num_candidates < 0:
         raise ValueError(f"num_candidates must be >= 0, got {num_candidates}")
     return min(num_candidates, math.floor(num_candidates * keep_fraction + 0.5))
+
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,148 +170,67 @@ def greedy_select_reference(importance: Any, quota: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-@numba.njit(cache=True, nogil=True)
-def _targets_kernel(imp):  # pragma: no cover - compiled
-    """Targets with the oracle's arithmetic: sequential sums in index order."""
-    num_groups, n = imp.shape
-    group_sums = np.zeros(num_groups)
-    for k in range(num_groups):
-        acc = 0.0
-        for w in range(n):
-            acc += imp[k, w]
-        group_sums[k] = acc
-    total = 0.0
-    for k in range(num_groups):
-        total += group_sums[k]
-    if total == 0.0:
-        return np.full(num_groups, 1.0 / num_groups)
-    return group_sums / total
-
-
 def group_targets(importance: Any) -> torch.Tensor:
     """Each group's target share ``S_k / Σ_j S_j`` (uniform ``1/K`` when all importance is 0).
 
     Returns a float64 tensor [K] summing to 1 (up to rounding).
     """
-    return torch.from_numpy(_targets_kernel(_as_importance(importance)))
+    return torch.from_numpy(kernels.targets(_as_importance(importance)))
 
 
-# Each group's order: a sort of packed uint64 values.
-#
-# numpy.argsort(kind="stable") and torch.sort(stable=True) cost ~0.5-1 s of CPU per
-# 2.4 M-weight row, while numpy sorts plain uint64 values with SIMD several times faster. So
-# each weight becomes one uint64: the high bits of its order key above its index. Equal
-# prefixes then sort by index, which is the tie rule; the rare runs whose keys differ only in
-# the dropped low bits are re-sorted exactly afterwards. float32 importance widened to float64
-# loses nothing to the truncation (its 24-bit mantissa fits), so only exact ties form runs.
-
-_NEGATIVE_ZERO = np.uint64(1 << 63)
 _PARALLEL_MIN_WEIGHTS = 1 << 16  # below this, starting threads costs more than it saves
 
 
-@numba.njit(cache=True, nogil=True)
-def _pack_row(row, index_bits):  # pragma: no cover - compiled
-    """Pack each weight as (top ``64 - index_bits`` bits of its order key, then its index).
-
-    The order key is the complement of the value's IEEE bits: for non-negative floats the
-    bits grow with the value, so the complement sorts descending. -0.0 (the sign bit alone)
-    is read as +0.0 so that the two tie.
-    """
-    bits = row.view(np.uint64)
-    shift = np.uint64(index_bits)
-    packed = np.empty(row.size, dtype=np.uint64)
-    for w in range(row.size):
-        value_bits = bits[w] if bits[w] != _NEGATIVE_ZERO else np.uint64(0)
-        packed[w] = ((~value_bits >> shift) << shift) | np.uint64(w)
-    return packed
+def _threads() -> int:
+    """Worker threads: ``torch.get_num_threads()``, so one setting governs the CPU use of
+    training and pruning alike."""
+    return max(1, torch.get_num_threads())
 
 
-def _fix_truncation_runs(row: np.ndarray, packed: np.ndarray, index_bits: int,
-                         order: np.ndarray) -> None:
-    """Re-sort, by full value, the runs of ``order`` whose packed keys share their high bits.
+def _descending_orders(imp: np.ndarray, workers: int | None = None) -> np.ndarray:
+    """[K, N] every group's candidates by importance descending, ties by lower index.
 
-    Within such a run the indices ascend (they are the low bits of ``packed``); where the
-    values differ, a sort by (run, value descending, index) restores the exact order.
-    """
-    prefix = packed >> np.uint64(index_bits)
-    joined = prefix[1:] == prefix[:-1]  # position i and i + 1 are in one run
-    if not joined.any():
-        return
-    in_run = np.zeros(order.size, dtype=bool)
-    in_run[:-1] |= joined
-    in_run[1:] |= joined
-    positions = np.flatnonzero(in_run)
-    indices = order[positions]
-    values = row[indices]
-    if not (joined[positions[:-1]] & (values[1:] != values[:-1])).any():
-        return  # exact ties only: index order is already right
-    starts_run = np.ones(positions.size, dtype=bool)
-    starts_run[1:] = ~joined[positions[:-1]]
-    run_id = np.cumsum(starts_run)
-    order[positions] = indices[np.lexsort((indices, -values, run_id))]
-
-
-def _sort_group(imp: np.ndarray, orders: np.ndarray, group: int) -> None:
-    """Fill ``orders[group]``: candidates by importance descending, ties by lower index."""
-    row = imp[group]
-    index_bits = max(1, (row.size - 1).bit_length())
-    packed = _pack_row(row, index_bits)
-    packed.sort()
-    np.bitwise_and(packed, np.uint64((1 << index_bits) - 1), out=orders[group].view(np.uint64))
-    _fix_truncation_runs(row, packed, index_bits, orders[group])
-
-
-def _descending_orders(imp: np.ndarray) -> np.ndarray:
-    """[K, N] int64: every group's candidate order, groups sorted in parallel threads.
-
-    numpy's sort and the compiled kernels release the GIL. The thread count follows
-    ``torch.get_num_threads()`` so one setting governs the CPU use of training and pruning.
+    int32 indices (int64 from 2**31 weights on). The groups are sorted in ``workers`` threads
+    (default :func:`_threads`); the compiled sort releases the GIL.
     """
     num_groups, n = imp.shape
-    orders = np.empty((num_groups, n), dtype=np.int64)
-    workers = min(num_groups, torch.get_num_threads()) if n >= _PARALLEL_MIN_WEIGHTS else 1
+    orders = np.empty((num_groups, n), dtype=np.int32 if n < 2**31 else np.int64)
+    bits = imp.view(np.uint32 if imp.dtype == np.float32 else np.uint64)
+    if workers is None:
+        workers = _threads() if n >= _PARALLEL_MIN_WEIGHTS else 1
+    workers = min(workers, num_groups)
     if workers <= 1:
         for group in range(num_groups):
-            _sort_group(imp, orders, group)
+            kernels.descending_order(bits[group], orders[group])
     else:
         with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda group: _sort_group(imp, orders, group), range(num_groups)))
+            list(pool.map(lambda group: kernels.descending_order(bits[group], orders[group]), range(num_groups)))
     return orders
 
 
-@numba.njit(cache=True, nogil=True)
-def _pick_kernel(imp_by_weight, orders, targets, quota):  # pragma: no cover - compiled
-    """The pick loop of :func:`greedy_select_reference`, operation for operation.
+def _by_weight(imp: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """([N, P] the importance transposed, the targets). P = K rounded up to a power of two and
+    rows aligned to 64 bytes: one weight's K importances (up to 64 bytes) lie in one cache line."""
+    num_groups, n = imp.shape
+    width = 1 << (num_groups - 1).bit_length()
+    slack = 64 // imp.itemsize
+    buffer = np.empty(n * width + slack, dtype=imp.dtype)
+    offset = (-buffer.ctypes.data % 64) // imp.itemsize
+    out = buffer[offset: offset + n * width].reshape(n, width)
+    return out, kernels.transpose_targets(imp, out)
 
-    ``imp_by_weight`` is the importance transposed to [N, K] so that adding one weight's
-    importance to all K running sums reads one cache line instead of K.
-    """
-    n, num_groups = imp_by_weight.shape
-    kept = np.zeros(n, dtype=np.bool_)
-    next_pos = np.zeros(num_groups, dtype=np.int64)
-    sums = np.zeros(num_groups)
-    for _ in range(quota):
-        kept_total = 0.0
-        for k in range(num_groups):
-            kept_total += sums[k]
-        # Same order of comparison as Python's min(): start at group 0, replace on strict <.
-        group = 0
-        best = (sums[0] / kept_total if kept_total != 0.0 else 0.0) - targets[0]
-        for k in range(1, num_groups):
-            deficit = (sums[k] / kept_total if kept_total != 0.0 else 0.0) - targets[k]
-            if deficit < best:
-                best = deficit
-                group = k
-        # A group's order covers all N weights and fewer than N are kept, so this stops.
-        pos = next_pos[group]
-        while kept[orders[group, pos]]:
-            pos += 1
-        weight = orders[group, pos]
-        next_pos[group] = pos + 1
-        kept[weight] = True
-        for j in range(num_groups):
-            sums[j] += imp_by_weight[weight, j]
-    return kept
+
+def _select(imp: np.ndarray, quota: int, workers: int | None = None) -> tuple[np.ndarray, ...]:
+    """(kept bool [N], targets [K], kept importance per group [K]) of validated importance and
+    quota; both [K] float64, summed in index order."""
+    n = imp.shape[1]
+    if quota in (0, n):  # nothing or everything: no choice to make
+        kept = np.full(n, quota > 0)
+        return kept, kernels.targets(imp), kernels.kept_sums(imp, kept)
+    orders = _descending_orders(imp, workers)
+    by_weight, targets = _by_weight(imp)
+    kept, kept_importance = kernels.pick(by_weight, orders, targets, quota)
+    return kept, targets, kept_importance
 
 
 def greedy_select(importance: Any, quota: int) -> torch.Tensor:
@@ -319,12 +250,7 @@ def greedy_select(importance: Any, quota: int) -> torch.Tensor:
     """
     imp = _as_importance(importance)
     quota = _check_quota(quota, imp.shape[1])
-    if quota in (0, imp.shape[1]):  # nothing or everything: no choice to make
-        return torch.full((imp.shape[1],), quota > 0, dtype=torch.bool)
-    targets = _targets_kernel(imp)
-    orders = _descending_orders(imp)
-    kept = _pick_kernel(np.ascontiguousarray(imp.T), orders, targets, quota)
-    return torch.from_numpy(kept)
+    return torch.from_numpy(_select(imp, quota)[0])
 
 
 # --------------------------------------------------------------------------------------------
@@ -339,6 +265,7 @@ def select_layer_mask(
     *,
     quota: int | None = None,
     report: bool = False,
+    workers: int | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, dict[str, Any]]:
     """One FairGRAPE step for one layer: the new keep-mask, a subset of ``current_mask``.
 
@@ -351,6 +278,7 @@ def select_layer_mask(
             ``[0, alive]`` (the pruning callback's per-layer density target).
         report: also return :func:`group_share_report` of the step (targets over the alive
             weights, shares over the kept ones).
+        workers: threads sorting the groups (default ``torch.get_num_threads()``).
 
     Returns:
         bool tensor [*weight_shape] on ``current_mask``'s device; with ``report``, the pair
@@ -374,13 +302,63 @@ def select_layer_mask(
     flat_importance = importance.detach().reshape(importance.shape[0], -1).cpu()
     if candidates.numel() < flat_mask.numel():  # a dense layer needs no gathered copy
         flat_importance = flat_importance[:, candidates]
-    chosen = greedy_select(flat_importance, quota)
-    new_mask = torch.zeros_like(flat_mask)
-    new_mask[candidates[chosen]] = True
+    imp = _as_importance(flat_importance)
+    chosen, targets, kept_importance = _select(imp, _check_quota(quota, imp.shape[1]), workers)
+    if candidates.numel() < flat_mask.numel():
+        new_mask = torch.zeros_like(flat_mask)
+        new_mask[candidates[torch.from_numpy(chosen)]] = True
+    else:
+        new_mask = torch.from_numpy(chosen)
     new_mask = new_mask.reshape(current_mask.shape).to(current_mask.device)
     if report:
-        return new_mask, group_share_report(flat_importance, chosen)
+        return new_mask, _share_report(targets, kept_importance, int(quota), imp.shape[1])
     return new_mask
+
+
+def select_layer_masks(
+    importances: Sequence[torch.Tensor],
+    current_masks: Sequence[torch.Tensor],
+    quotas: Sequence[int],
+    *,
+    report: bool = False,
+) -> list[torch.Tensor] | list[tuple[torch.Tensor, dict[str, Any]]]:
+    """:func:`select_layer_mask` with ``quota`` for many layers, the same masks and reports.
+
+    The layers run in ``torch.get_num_threads()`` threads, largest first (the compiled kernels
+    release the GIL); each layer's groups are then sorted in that layer's thread.
+
+    Returns:
+        One entry per layer, in the given order: the mask, or ``(mask, report)`` with ``report``.
+    """
+    if not len(importances) == len(current_masks) == len(quotas):
+        raise ValueError(f"got {len(importances)} importances, {len(current_masks)} masks and "
+                         f"{len(quotas)} quotas; give one of each per layer")
+    workers = min(_threads(), len(importances))
+
+    def step(i: int, threads: int | None):
+        return select_layer_mask(importances[i], current_masks[i], quota=quotas[i], report=report, workers=threads)
+
+    if workers <= 1:
+        return [step(i, None) for i in range(len(importances))]
+    largest_first = sorted(range(len(importances)), key=lambda i: -current_masks[i].numel())
+    with ThreadPoolExecutor(workers) as pool:
+        done = dict(zip(largest_first, pool.map(lambda i: step(i, 1), largest_first)))
+    return [done[i] for i in range(len(importances))]
+
+
+def _share_report(targets: np.ndarray, kept_sums: np.ndarray, kept: int, candidates: int) -> dict[str, Any]:
+    """The report of :func:`group_share_report` from the targets and the kept sums."""
+    total = _sequential_sum(kept_sums.tolist())
+    share = kept_sums / total if total > 0 else np.zeros_like(kept_sums)
+    gap = share - targets
+    return {
+        "target": targets.tolist(),
+        "share": share.tolist(),
+        "gap": gap.tolist(),
+        "max_abs_gap": float(np.abs(gap).max()),
+        "kept": kept,
+        "candidates": candidates,
+    }
 
 
 def group_share_report(
@@ -399,29 +377,18 @@ def group_share_report(
         "kept": int, "candidates": int}``, plain Python numbers (JSON-ready). With nothing
         kept, or nothing important kept, shares are 0.
     """
-    imp = torch.as_tensor(importance).detach().cpu().to(torch.float64)
-    imp = imp.reshape(imp.shape[0], -1)
-    keep = torch.as_tensor(mask).detach().cpu().reshape(-1).to(torch.bool)
+    imp = torch.as_tensor(importance).detach()
+    imp = _as_importance(imp.reshape(imp.shape[0], -1))
+    keep = torch.as_tensor(mask).detach().cpu().reshape(-1).to(torch.bool).numpy()
     pool = (
-        torch.ones_like(keep)
+        np.ones_like(keep)
         if candidates is None
-        else torch.as_tensor(candidates).detach().cpu().reshape(-1).to(torch.bool)
+        else torch.as_tensor(candidates).detach().cpu().reshape(-1).to(torch.bool).numpy()
     )
-    if keep.numel() != imp.shape[1] or pool.numel() != imp.shape[1]:
+    if keep.size != imp.shape[1] or pool.size != imp.shape[1]:
         raise ValueError(
             f"mask and candidates must have {imp.shape[1]} entries to match importance, "
-            f"got {keep.numel()} and {pool.numel()}"
+            f"got {keep.size} and {pool.size}"
         )
-    target = group_targets(imp[:, pool])
-    kept_sums = imp[:, keep].sum(dim=1)
-    total = kept_sums.sum()
-    share = kept_sums / total if total > 0 else torch.zeros_like(kept_sums)
-    gap = share - target
-    return {
-        "target": target.tolist(),
-        "share": share.tolist(),
-        "gap": gap.tolist(),
-        "max_abs_gap": float(gap.abs().max()),
-        "kept": int(keep.sum()),
-        "candidates": int(pool.sum()),
-    }
+    targets = kernels.targets(imp if pool.all() else np.ascontiguousarray(imp[:, pool]))
+    return _share_report(targets, kernels.kept_sums(imp, keep), int(keep.sum()), int(pool.sum()))

@@ -4,6 +4,8 @@
   concatenation of all heads, ``[..., n_heads * head_dim]``) by a per-head mask through a forward
   pre-hook. One model, one process: any head set is tried without copying or reloading weights.
   The mask is a float tensor ``[layers, heads]`` that may require grad (gradient head importance).
+  :meth:`HeadGates.per_row` adds a configuration dimension: row ``b`` of a batch is multiplied by
+  its own ``[layers, heads]`` gates, so one forward pass evaluates many head sets at once.
 * :func:`remove_heads` slices heads out of q/k/v and the output projection and updates the
   attention module's head-count attributes, so the pruned model computes exactly what the gated
   model computes.
@@ -80,6 +82,7 @@ class HeadGates:
         self.blocks = list(self.family.block_list(model))
         self.head_dim = self.family.head_dim(model.config)
         self.values = torch.ones(len(self.blocks), self.family.num_heads(model.config))
+        self.rows: torch.Tensor | None = None  # [batch, layers, heads] while per_row() is active
         self._handles: list = []
 
     def attach(self) -> "HeadGates":
@@ -135,6 +138,31 @@ class HeadGates:
             with torch.no_grad():
                 self.values.copy_(saved)
 
+    @contextmanager
+    def per_row(self, rows: torch.Tensor) -> Iterator["HeadGates"]:
+        """For the duration of the block, batch row ``b`` is gated by ``rows[b]`` (a ``[batch, layers,
+        heads]`` tensor) on top of :attr:`values`: one forward pass, one head configuration per row.
+
+        Example::
+
+            configs = torch.ones(2, *gates.values.shape)
+            configs[1, 0, 3] = 0                          # row 1: layer 0, head 3 off
+            with gates, gates.per_row(configs):
+                logits = model(ids.expand(2, -1)).logits  # [2, T, vocab]: both configurations
+
+        Gates of 0 and 1 multiply exactly, so a row computes what the model computes with
+        :meth:`off` for the same heads (on a CPU, bit for bit; a GPU may differ in the last bits
+        between batch shapes).
+        """
+        if rows.dim() != 3 or tuple(rows.shape[1:]) != tuple(self.values.shape):
+            raise UserError(f"per-row gates have shape {tuple(rows.shape)}, expected (batch, {self.values.shape[0]}, "
+                            f"{self.values.shape[1]}) (batch, layers, heads)")
+        saved, self.rows = self.rows, rows
+        try:
+            yield self
+        finally:
+            self.rows = saved
+
     def _check(self, layer: int, head: int) -> None:
         layers, heads = self.values.shape
         if not (0 <= layer < layers and 0 <= head < heads):
@@ -144,12 +172,19 @@ class HeadGates:
         def hook(module: nn.Module, args: tuple):
             gate = self.values[layer]
             # All-open gates skip the multiply: the gated model is then bit-identical to the plain one.
-            if not gate.requires_grad and bool((gate == 1).all()):
+            if self.rows is None and not gate.requires_grad and bool((gate == 1).all()):
                 return None
             x = args[0]
             if x.shape[-1] != gate.numel() * self.head_dim:
                 raise UserError(f"layer {layer}: output projection input has width {x.shape[-1]}, "
                                 f"expected {gate.numel()} heads × {self.head_dim}; gate a model before removing heads")
+            if self.rows is not None:
+                if x.shape[0] != self.rows.shape[0]:
+                    raise UserError(f"layer {layer}: a batch of {x.shape[0]} rows under per-row gates for {self.rows.shape[0]} rows")
+                # [B, H] → [B, 1, H, 1] against the input seen as [B, T, H, D].
+                rows = (self.rows[:, layer] * gate).to(device=x.device, dtype=x.dtype)
+                shaped = x.unflatten(-1, (gate.numel(), self.head_dim)) * rows[:, None, :, None]
+                return (shaped.flatten(-2), *args[1:])
             scale = gate.to(device=x.device, dtype=x.dtype).repeat_interleave(self.head_dim)
             return (x * scale, *args[1:])
 
@@ -168,11 +203,13 @@ class HeadRemoval:
     removed: list[Head] = field(default_factory=list)
     zeroed: list[Head] = field(default_factory=list)
     kv_removed: list[Head] = field(default_factory=list)  # (layer, key/value head) sliced out
+    kv_zeroed: list[Head] = field(default_factory=list)  # (layer, key/value head) kept in the tensors, zeroed
     heads_per_layer: list[int] = field(default_factory=list)  # query heads left in each layer's tensors
 
     def as_dict(self) -> dict:
         return {"removed": [list(h) for h in self.removed], "zeroed": [list(h) for h in self.zeroed],
-                "kv_removed": [list(h) for h in self.kv_removed], "heads_per_layer": self.heads_per_layer}
+                "kv_removed": [list(h) for h in self.kv_removed], "kv_zeroed": [list(h) for h in self.kv_zeroed],
+                "heads_per_layer": self.heads_per_layer}
 
 
 @dataclass(frozen=True)
@@ -202,6 +239,7 @@ def remove_heads(model: nn.Module, heads: Iterable[Head], loadable: bool = True)
         report.removed += [(layer, h) for h in sorted(by_layer[layer]) if h not in plan.q_keep]
         report.zeroed += [(layer, h) for h in plan.zero_q]
         report.kv_removed += [(layer, g) for g in range(n_kv) if g not in plan.kv_keep]
+        report.kv_zeroed += [(layer, g) for g in plan.zero_kv]
         report.heads_per_layer.append(len(plan.q_keep))
     if loadable and family.heads_shrinkable:
         # Every layer now has the same counts (the plan pads them), which the config can state.

@@ -22,9 +22,9 @@ from tqdm.auto import tqdm
 
 from fairprune import distributed
 from fairprune.data.pairs import LMTexts
-from fairprune.data.text import calibration_ids, paired_ids
+from fairprune.data.text import calibration_ids, document_start, paired_ids
 from fairprune.errors import UserError
-from fairprune.metrics.language import measure_lm
+from fairprune.metrics.language import eval_ids as tokenize_eval, measure_lm
 from fairprune.families import Family, family_of, linear_weight, set_linear_weight
 from fairprune.pruning import registry
 from fairprune.pruning.calibration import make_inputs, run_layerwise
@@ -58,9 +58,16 @@ def parse_sparsity(value: float | str) -> tuple[float | None, tuple[int, int] | 
 def prune_and_measure(model: nn.Module, tokenizer, method: str, sparsity: float | str, texts: LMTexts, *,
                       nsamples: int = 128, seqlen: int = 128, eval_seqlen: int | None = None,
                       device: torch.device | str = "cpu", percdamp: float = 0.01, blocksize: int = 128,
-                      seed: int = 0) -> tuple[dict, dict[str, float]]:
+                      seed: int = 0, eval_tokens: int | None = None, eval_ids: torch.Tensor | None = None,
+                      dense: dict[str, float] | None = None, progress: bool = True) -> tuple[dict, dict[str, float]]:
     """Measure, prune in place, measure again: the report of one post-training run (no files) and
-    the per-layer sparsity. The model ends on the CPU."""
+    the per-layer sparsity. The model ends on the CPU.
+
+    Perplexity is measured on the first ``eval_tokens`` tokens of ``texts.eval_text`` (all by
+    default), or on ``eval_ids`` when the caller tokenized it already. ``dense``: the dense model's
+    figures when the caller has them (measured once for several runs, or cached); the dense model
+    is then not measured here. ``progress``: progress bars and lines (main rank only).
+    """
     registry.get(method, "lm")
     target, nm = parse_sparsity(sparsity)
     family = family_of(model)  # unknown families fail here, before any work
@@ -68,27 +75,49 @@ def prune_and_measure(model: nn.Module, tokenizer, method: str, sparsity: float 
         _check_nm_widths(model, family, nm)  # and so does an N:M pattern the layer widths do not allow
     eval_seqlen = eval_seqlen or seqlen
     start = time.perf_counter()
-    main = distributed.is_main()
-    if main:
-        print(f"[{method}] measuring the dense model ...", flush=True)
-    before = measure_lm(model, tokenizer, texts.eval_text, texts.eval_pairs, eval_seqlen, device)
+    talk = progress and distributed.is_main()
+    ids = tokenize_eval(texts.eval_text, tokenizer, eval_tokens) if eval_ids is None else eval_ids
+    dense_zeros = sparsity_by_layer(model, family)["__total__"]  # what the method did not prune itself
+    before = dense
+    if before is None:
+        if talk:
+            print(f"[{method}] measuring the dense model ...", flush=True)
+        before = measure_lm(model, tokenizer, ids, texts.eval_pairs, eval_seqlen, device, progress=progress)
+    measured = time.perf_counter()
     calib = calibration_ids(tokenizer, texts.calib_text, nsamples, seqlen, seed) if method != "magnitude" else None
     pairs = paired_ids(tokenizer, texts.calib_pairs, seqlen) if method == "debias-sparsegpt" else None
     model.to("cpu")
-    result = prune_causal_lm(model, method, target, nm, calib, pairs, device, percdamp, blocksize, progress=main)
-    if main:
+    result = prune_causal_lm(model, method, target, nm, calib, pairs, device, percdamp, blocksize, progress=talk)
+    pruned = time.perf_counter()
+    if talk:
         print(f"[{method}] measuring the pruned model ...", flush=True)
-    after = measure_lm(model, tokenizer, texts.eval_text, texts.eval_pairs, eval_seqlen, device)
+    after = measure_lm(model, tokenizer, ids, texts.eval_pairs, eval_seqlen, device, progress=progress)
     model.to("cpu")
+    end = time.perf_counter()
+    sparsity_facts = {"target": result["target_sparsity"], "nm": result["nm"], "achieved": result["achieved_sparsity"],
+                      "dense_zero_fraction": dense_zeros}
     report = {
         "method": method, "family": result["family"], "target_sparsity": result["target_sparsity"],
-        "nm": result["nm"], "achieved_sparsity": result["achieved_sparsity"], "metrics": after,
-        "reference": {"method": "dense", "metrics": before},
+        "nm": result["nm"], "achieved_sparsity": result["achieved_sparsity"], "sparsity": sparsity_facts,
+        "metrics": after, "reference": {"method": "dense", "metrics": before, "from_cache": False},
         "calibration": {"nsamples": nsamples if calib is not None else 0, "seqlen": seqlen,
                         "pairs": len(texts.calib_pairs) if pairs is not None else 0, "eval_pairs": len(texts.eval_pairs)},
-        "seconds": {**result["seconds"], "total": time.perf_counter() - start},
+        "evaluation": evaluation_facts(ids, eval_seqlen, eval_tokens, texts.eval_pairs, tokenizer),
+        "seconds": {"prune": pruned - measured, "solve": result["seconds"]["solve"],
+                    "evaluate": (measured - start) + (end - pruned), "total": end - start},
     }
     return report, result["layers"]
+
+
+def evaluation_facts(ids: torch.Tensor, window: int, eval_tokens: int | None, eval_pairs: list, tokenizer=None) -> dict:
+    """What perplexity was measured on: the tokens scored (whole windows of ``ids``), the cap asked
+    for, the window, the number of stereotype pairs, and the token each paired sentence is scored
+    after (:func:`fairprune.data.text.document_start`: the plain document start, never a chat token)."""
+    facts = {"tokens": ids.numel() // window * window, "eval_tokens": eval_tokens, "window": window,
+             "pairs": len(eval_pairs)}
+    if tokenizer is not None:
+        facts["document_start"] = document_start(tokenizer)[0]
+    return facts
 
 
 def prune_causal_lm(

@@ -1,31 +1,113 @@
 """The one comparison writer: every ``compare`` command (vision, LM weights, heads, Diff-Pruning)
-hands its rows here and gets the same three files and the same printed table."""
+hands its rows here and gets the same files and the same printed table: ``comparison.csv``,
+``comparison.md``, ``report.json``, ``report.html`` (one self-contained page) and, when the rows
+carry per-group accuracies (``acc/<group>`` columns), ``group_accuracy.png``.
+
+Rows of repeated runs (several seeds) carry a ``seed`` column; :func:`aggregate` folds them into one
+row per method and setting with each figure's mean, standard deviation and count of runs.
+"""
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import pandas as pd
 
 from fairprune.reporting.atomic import write_csv, write_text
+from fairprune.reporting.html import write_html
+from fairprune.reporting.plots import plot_group_accuracy
 from fairprune.reporting.report import markdown, write_json
+
+#: The column that tells repeated runs apart.
+SEED = "seed"
+
+
+def aggregate(rows: Sequence[dict[str, Any]], keys: Sequence[str], by: str = SEED) -> pd.DataFrame:
+    """One row per distinct ``keys`` (in first-seen order) over the runs told apart by ``by``:
+    ``n`` (runs), and for every numeric column ``c`` its mean ``c_mean`` and sample standard
+    deviation ``c_sd`` (ddof 1; empty for a single run). Missing values are left out of a figure."""
+    table = pd.DataFrame(rows)
+    keys = [k for k in keys if k in table.columns]
+    values = [c for c in table.columns if c not in keys and c != by and pd.api.types.is_numeric_dtype(table[c])]
+    out = []
+    for key, group in table.groupby(keys, sort=False, dropna=False):
+        key = key if isinstance(key, tuple) else (key,)
+        row: dict[str, Any] = dict(zip(keys, key))
+        row["n"] = int(group[by].nunique()) if by in group else len(group)
+        for c in values:
+            row[f"{c}_mean"] = group[c].mean()
+            row[f"{c}_sd"] = group[c].std(ddof=1) if group[c].count() > 1 else float("nan")
+        out.append(row)
+    return pd.DataFrame(out)
+
+
+def mean_sd_table(table: pd.DataFrame) -> pd.DataFrame:
+    """An aggregated table for reading: each ``c_mean`` / ``c_sd`` pair becomes one column ``c``
+    holding ``"mean ± sd"`` (the mean alone when there is no sd)."""
+    out = pd.DataFrame(index=table.index)
+    for c in table.columns:
+        if c.endswith("_sd") and f"{c[:-3]}_mean" in table.columns:
+            continue
+        if c.endswith("_mean"):
+            base, sds = c[:-5], table.get(f"{c[:-5]}_sd")
+            out[base] = [_mean_sd(m, None if sds is None else sds.iloc[i]) for i, m in enumerate(table[c])]
+        else:
+            out[c] = table[c]
+    return out
+
+
+def _mean_sd(mean: Any, sd: Any) -> str:
+    if mean is None or (isinstance(mean, float) and math.isnan(mean)):
+        return ""
+    if sd is None or (isinstance(sd, float) and math.isnan(sd)):
+        return f"{mean:.4f}"
+    return f"{mean:.4f} ± {sd:.4f}"
 
 
 def write_comparison(rows: list[dict[str, Any]], output: str | os.PathLike, extra: dict[str, Any] | None = None,
-                     index: str = "method", echo: bool = True) -> pd.DataFrame:
-    """Write ``comparison.csv``, ``comparison.md`` and ``report.json`` (``{"comparison": rows,
-    **extra}``) into ``output`` and return the table; ``echo`` prints it. The JSON is written last,
-    so a folder with a ``report.json`` holds a finished comparison."""
-    table = pd.DataFrame(rows)
+                     index: str = "method", echo: bool = True, keys: Sequence[str] | None = None,
+                     figures: Sequence[tuple[str | os.PathLike, str]] = (), title: str = "comparison") -> pd.DataFrame:
+    """Write the comparison of ``rows`` into ``output`` and return its table; ``echo`` prints it.
+
+    Rows with a ``seed`` column holding several seeds are repeated runs: ``comparison.csv`` holds
+    one row per ``keys`` (default: every non-numeric column, e.g. method and sparsity) with
+    ``n``, ``<figure>_mean`` and ``<figure>_sd`` columns, ``comparison_runs.csv`` every run, and
+    the markdown / HTML tables show ``mean ± sd``. Otherwise the table is the rows themselves.
+
+    ``figures`` (``(png path, caption)`` pairs, e.g. the vision compare's plots) are embedded in
+    ``report.html`` with the table. ``report.json`` holds ``{"comparison": rows, "threads": torch's
+    CPU threads, **extra}`` (and
+    ``"aggregate"`` for repeated runs); it is written last, so a folder with a ``report.json``
+    holds a finished comparison."""
+    raw = pd.DataFrame(rows)
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
+    repeated = SEED in raw.columns and raw[SEED].nunique() > 1
+    if repeated:
+        keys = list(keys or [c for c in raw.columns if c != SEED and not pd.api.types.is_numeric_dtype(raw[c])])
+        table = aggregate(rows, keys)
+        shown = mean_sd_table(table)
+        write_csv(out / "comparison_runs.csv", raw, index=False)
+    else:
+        table = shown = raw
     write_csv(out / "comparison.csv", table, index=False)
-    text = markdown(table.set_index(index)) if index in table.columns else markdown(table)
+    text = markdown(shown.set_index(index)) if index in shown.columns else markdown(shown)
     write_text(out / "comparison.md", text + "\n")
-    write_json(out / "report.json", {"comparison": rows, **(extra or {})})
+    plots = list(figures)
+    accuracy = plot_group_accuracy(table, out / "group_accuracy.png", index=index)
+    if accuracy is not None:
+        plots.insert(0, (accuracy, "Accuracy per group" + (" (mean ± sd over seeds)" if repeated else "")))
+    write_html(out / "report.html", title, shown, plots, extra)
+    import torch  # loaded already by every compare: each comparison says how many CPU threads it ran with
+
+    payload = {"comparison": rows, "threads": torch.get_num_threads(), **(extra or {})}
+    if repeated:
+        payload["aggregate"] = table.to_dict(orient="records")
+    write_json(out / "report.json", payload)
     if echo:
         print("\n" + text + "\n")
-        print(f"[compare] written to {out}/comparison.csv, comparison.md and report.json", flush=True)
+        print(f"[compare] written to {out}/comparison.csv, comparison.md, report.html and report.json", flush=True)
     return table

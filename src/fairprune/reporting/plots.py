@@ -35,21 +35,43 @@ def confidence_ellipse(points, level_chi2: float = 5.991) -> tuple[tuple[float, 
     return (float(pts[:, 0].mean()), float(pts[:, 1].mean())), float(width), float(height), angle
 
 
-def plot_error_rate_changes(reports: dict[str, dict[str, Any]], path: str | os.PathLike) -> Path:
+def _error_rate_points(reports: dict[str, Any] | list[dict[str, Any]]) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
+    """Per-group (Δ FPR, Δ FNR) against each report's dense reference; for a list of reports (one
+    per seed) the per-group mean over them and its sample standard deviation (0 for one report)."""
+    import numpy as np
+
+    per_group: dict[str, list[tuple[float, float]]] = {}
+    for report in reports if isinstance(reports, list) else [reports]:
+        ref = report.get("reference", {}).get("groups", {})
+        for k, g in report["groups"].items():
+            if k in ref and g.get("fpr") is not None and ref[k].get("fpr") is not None:
+                per_group.setdefault(k, []).append((g["fpr"] - ref[k]["fpr"], g["fnr"] - ref[k]["fnr"]))
+    means, sds = [], []
+    for values in per_group.values():
+        arr = np.asarray(values, dtype=float)
+        means.append(tuple(arr.mean(0)))
+        sds.append(tuple(arr.std(0, ddof=1)) if len(arr) > 1 else (0.0, 0.0))
+    return means, sds
+
+
+def plot_error_rate_changes(reports: dict[str, Any], path: str | os.PathLike) -> Path:
     """Per-group change of FPR (x) and FNR (y) against the dense reference, one colour per run,
-    with each run's 95 % ellipse (FairGRAPE's Fig. 3)."""
+    with each run's 95 % ellipse (FairGRAPE's Fig. 3). A run given as a list of reports (one per
+    seed) is drawn at each group's mean change with ±1 sd error bars."""
     from matplotlib.patches import Ellipse
 
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6, 5))
     for i, (name, report) in enumerate(reports.items()):
-        ref = report.get("reference", {}).get("groups", {})
-        pts = [(g["fpr"] - ref[k]["fpr"], g["fnr"] - ref[k]["fnr"])
-               for k, g in report["groups"].items() if k in ref and "fpr" in g and "fpr" in ref[k]]
+        pts, sds = _error_rate_points(report)
         if not pts:
             continue
         colour = f"C{i}"
-        ax.scatter(*zip(*pts), color=colour, label=name)
+        if any(x or y for x, y in sds):
+            ax.errorbar(*zip(*pts), xerr=[s[0] for s in sds], yerr=[s[1] for s in sds], fmt="o", color=colour,
+                        capsize=3, label=f"{name} (mean ± sd, n={len(report)})")
+        else:
+            ax.scatter(*zip(*pts), color=colour, label=name)
         ellipse = confidence_ellipse(pts)
         if ellipse:
             centre, width, height, angle = ellipse
@@ -60,31 +82,65 @@ def plot_error_rate_changes(reports: dict[str, dict[str, Any]], path: str | os.P
     ax.set_ylabel("Δ FNR per group (pruned − dense)")
     ax.legend(fontsize=8)
     ax.autoscale_view()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return _save(fig, path)
 
 
 def plot_group_shares(shares: pd.DataFrame, path: str | os.PathLike) -> Path:
     """Each group's share of kept importance per layer at the last pruning step, against its
-    target share (FairGRAPE's Fig. 5)."""
+    target share (FairGRAPE's Fig. 5). Rows of several seeds (a ``seed`` column) are drawn as
+    their mean with a ±1 sd band."""
     plt = _plt()
     last = shares[shares["step"] == shares["step"].max()]
     layers = list(dict.fromkeys(last["layer"]))
     fig, ax = plt.subplots(figsize=(max(6, len(layers) * 0.25), 4))
+    x = range(len(layers))
     for i, (group, rows) in enumerate(last.groupby("group", sort=False)):
-        rows = rows.set_index("layer").loc[layers]
-        ax.plot(range(len(layers)), rows["share"], marker="o", ms=3, color=f"C{i}", label=f"{group} kept")
-        ax.plot(range(len(layers)), rows["target"], ls="--", color=f"C{i}", lw=0.8)
+        stats = rows.groupby("layer", sort=False)[["share", "target"]].agg(["mean", "std"]).loc[layers]
+        mean, sd = stats[("share", "mean")], stats[("share", "std")].fillna(0.0)
+        ax.plot(x, mean, marker="o", ms=3, color=f"C{i}", label=f"{group} kept")
+        if (sd > 0).any():
+            ax.fill_between(x, mean - sd, mean + sd, color=f"C{i}", alpha=0.2, lw=0)
+        ax.plot(x, stats[("target", "mean")], ls="--", color=f"C{i}", lw=0.8)
     ax.set_xlabel("layer")
     ax.set_ylabel("share of importance")
     ax.set_title("kept share (solid) vs target share (dashed)")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return Path(path)
+    return _save(fig, path)
+
+
+def plot_group_accuracy(table: pd.DataFrame, path: str | os.PathLike, index: str = "method") -> Path | None:
+    """Accuracy per group for every row of a comparison table (bars), with ±1 sd error bars when
+    the table is aggregated over seeds (``acc/<group>_mean`` / ``_sd`` columns). None (and no
+    file) when the table has no per-group accuracy."""
+    import numpy as np
+
+    means = [c for c in table.columns if c.startswith("acc/") and not c.endswith("_sd")]
+    means = [c for c in means if c.endswith("_mean")] or [c for c in means if not c.endswith("_mean")]
+    if not means or table.empty:
+        return None
+    groups = [c[4:-5] if c.endswith("_mean") else c[4:] for c in means]
+    labels = []
+    for _, row in table.iterrows():
+        label = str(row.get(index, ""))
+        sparsity = row.get("target_sparsity")
+        if isinstance(sparsity, (int, float)) and sparsity == sparsity and sparsity > 0:
+            label += f" {sparsity:g}"
+        labels.append(label)
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels) * max(1, len(groups)) / 3), 4))
+    width = 0.8 / len(groups)
+    for j, (group, column) in enumerate(zip(groups, means)):
+        values = table[column].astype(float).to_numpy()
+        sd_column = column[:-5] + "_sd" if column.endswith("_mean") else None
+        errors = table[sd_column].astype(float).fillna(0.0).to_numpy() if sd_column in table else None
+        ax.bar(np.arange(len(labels)) + (j - (len(groups) - 1) / 2) * width, np.nan_to_num(values), width,
+               yerr=errors, capsize=2, color=f"C{j}", label=group)
+    ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right")
+    ax.set_ylabel("accuracy")
+    ax.set_ylim(0, 1)
+    ax.set_title("accuracy per group" + (" (mean ± sd)" if means[0].endswith("_mean") else ""))
+    ax.legend(fontsize=7, ncol=min(len(groups), 4))
+    return _save(fig, path)
 
 
 def plot_head_heatmap(impact, axes: Sequence[str], protected: Sequence[tuple[int, int]] = (),

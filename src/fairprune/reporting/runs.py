@@ -1,6 +1,7 @@
 """What a pruned LM run leaves on disk, in one place for the commands and the callbacks: the model
 folder (``save_pretrained``, so ``from_pretrained(output)`` loads it), its config, per-layer
-sparsity, plots and, written last, ``report.json``."""
+sparsity, plots and, written last, ``report.json`` (which always says how many CPU threads torch ran
+with: ``threads``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import torch
 import yaml
 
 from fairprune.reporting.atomic import write_csv, write_text
@@ -20,7 +22,8 @@ def write_lm_run(output: str | os.PathLike, model, tokenizer, report: dict[str, 
                  layers: dict[str, float] | None = None) -> Path:
     """A pruned LM's folder: the transformers model and tokenizer (``save_pretrained``: the
     folder itself loads with ``from_pretrained``), ``sparsity.csv`` (per layer, when given),
-    ``config.yaml`` and, last, ``report.json``."""
+    ``config.yaml`` and, last, ``report.json`` (with ``threads`` added when the caller left it out)."""
+    report.setdefault("threads", torch.get_num_threads())
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)

@@ -1,5 +1,10 @@
 """Attention-head pruning runs: ``prune.py fasp`` (FASP or a baseline) and ``prune.py compare
---alphas`` (several methods × α with the heads scored once)."""
+--alphas`` (several methods × α with the heads scored once).
+
+Both run under ``torchrun`` too (``@torchrun``): every rank loads the model on its device (``--device
+auto`` takes the rank's GPU when there is one), the heads are scored in shares across the ranks,
+and rank 0 alone writes files and prints; every rank ends with the same pruned model.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from typing import Any
 
 import pandas as pd
 
+from fairprune import distributed
 from fairprune.data.files import read_text
 from fairprune.data.prompts import read_prompts
 from fairprune.errors import UserError
@@ -19,7 +25,8 @@ from fairprune.pruning import registry
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.lock import locked
 from fairprune.reporting.runs import write_head_run
-from fairprune.workflows.options import HeadOptions, LMOptions
+from fairprune.workflows.launch import torchrun
+from fairprune.workflows.options import HeadOptions, LMOptions, RunOptions
 
 
 def _check_ratio(name: str, value: float | None) -> None:
@@ -27,7 +34,8 @@ def _check_ratio(name: str, value: float | None) -> None:
         raise UserError(f"--{name} must be in [0, 1], got {value}")
 
 
-def _run(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alpha: float, output: Path) -> dict[str, Any]:
+def _run(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alpha: float, output: Path,
+         run_options: RunOptions) -> dict[str, Any]:
     """Load the model, score / select / remove heads with ``method`` at ``alpha``; write the pruned
     model, its plots and ``report.json`` into ``output``."""
     from fairprune.pruning.fasp import Generation, run_fasp
@@ -38,15 +46,20 @@ def _run(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alpha: float
     eval_text = read_text(lm.eval_text) if lm.eval_text else None
     run = run_fasp(model, tokenizer, prompts, scoring_text, method, heads.gamma, alpha, heads.axis, heads.scorer,
                    output, eval_text=eval_text, generation=Generation(max_new_tokens=heads.max_new_tokens, seed=lm.seed),
-                   seqlen=lm.seqlen, seed=lm.seed)
+                   seqlen=lm.seqlen, seed=lm.seed, max_batch=heads.max_batch, progress=run_options.progress and distributed.is_main(),
+                   eval_tokens=lm.eval_tokens)
     run.report["model"] = lm.model
     config = {"method": method, **asdict(lm), **asdict(heads), "alpha": alpha}
-    write_head_run(output, model.cpu(), tokenizer, run, config)
+    if distributed.is_main():
+        write_head_run(output, model.cpu(), tokenizer, run, config)
+    distributed.barrier()
     return run.report
 
 
 @locked(lambda output, **_: output)
-def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = HeadOptions()) -> dict[str, Any]:
+@torchrun
+def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = HeadOptions(),
+         run: RunOptions = RunOptions()) -> dict[str, Any]:
     """FASP: remove the attention heads that most raise toxicity disparity, protecting the heads
     perplexity needs (or a baseline's choice). Writes the pruned model and ``report.json``,
     ``head_scores.csv`` and plots into ``output``.
@@ -56,22 +69,32 @@ def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = 
         output: folder for the pruned model, head_scores.csv, report.json and plots.
         method: fasp, fairness, performance, magnitude, gradient or random.
         heads: what to protect and remove, and how bias is measured.
+        run: threads and progress bars.
     """
     registry.get(method, "heads")
     _check_ratio("alpha", heads.alpha)
     _check_ratio("gamma", heads.gamma)
     tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
-    report = _run(lm, tokenizer, method, heads, heads.alpha, Path(output))
+    report = _run(lm, tokenizer, method, heads, heads.alpha, Path(output), run)
+    if not distributed.is_main():
+        return report
     bias = report.get("fairness", {}).get("bias", {})
     print(f"[fasp] {method}: removed {len(report.get('heads_removed', []))} heads; perplexity "
           f"{report['reference']['metrics']['perplexity']:.2f} → {report['metrics']['perplexity']:.2f}; bias {bias}; "
           f"written to {output}")
+    if report.get("size"):
+        from fairprune.pruning.head_size import summary as size_summary
+
+        print(f"[fasp] size: {size_summary(report['size'])}")
+        if report["size"].get("note"):
+            print(f"[fasp] note: {report['size']['note']}")
     return report
 
 
 @locked(lambda output, **_: output)
+@torchrun
 def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output: str,
-                  heads: HeadOptions = HeadOptions()) -> pd.DataFrame:
+                  heads: HeadOptions = HeadOptions(), run_options: RunOptions = RunOptions()) -> pd.DataFrame:
     """FASP and its baselines at several α from one model: heads are scored once (the first run
     writes ``head_scores.csv``; later runs resume from a copy of it), one table of bias and
     perplexity in ``output``."""
@@ -86,12 +109,13 @@ def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output
     for method in methods:
         for alpha in alphas:
             run = out / f"{method}_a{alpha:g}"
-            run.mkdir(parents=True, exist_ok=True)
-            if shared is not None and not (run / "head_scores.csv").exists():
-                for name in ("head_scores.csv", "head_scores.json"):
-                    shutil.copy(shared / name, run / name)
-            print(f"[compare] {run.name} ...", flush=True)
-            report = _run(lm, tokenizer, method, heads, alpha, run)
+            if distributed.is_main():
+                run.mkdir(parents=True, exist_ok=True)
+                if shared is not None and not (run / "head_scores.csv").exists():
+                    for name in ("head_scores.csv", "head_scores.json"):
+                        shutil.copy(shared / name, run / name)
+                print(f"[compare] {run.name} ...", flush=True)
+            report = _run(lm, tokenizer, method, heads, alpha, run, run_options)
             if (run / "head_scores.csv").exists() and shared is None:
                 shared = run
             if not rows:
@@ -101,4 +125,6 @@ def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output
             rows.append({"method": method, "alpha": alpha, "gamma": report["gamma"] if method == "fasp" else None,
                          "heads_removed": len(report["heads_removed"]), "perplexity": report["metrics"]["perplexity"],
                          **{f"bias/{k}": v for k, v in report["fairness"]["bias"].items()}})
+    if not distributed.is_main():
+        return pd.DataFrame(rows)
     return write_comparison(rows, out, {"seconds": {"total": time.perf_counter() - start}})

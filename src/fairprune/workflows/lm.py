@@ -5,6 +5,12 @@ are the bundled corpus and the bundled paired stereotype set; real runs pass ``-
 C4 shards as a text file), ``--eval_text`` (WikiText-2's raw test split) and ``--pairs``
 (StereoSet / CrowS-Pairs). See :mod:`fairprune.data.pairs` for the calibration / evaluation split.
 
+The evaluation text is tokenized once per command (capped at ``--eval_tokens``) and the dense
+model's figures are obtained once: ``compare`` measures the dense model once for every method, and
+every command takes them from the project cache when an earlier run measured the same weights on
+the same texts with the same settings (:mod:`fairprune.workflows.dense`; ``--dense_cache false``
+measures again). Reports split the time into ``load``, ``prune`` and ``evaluate``.
+
 Each command runs under ``torchrun`` too (``@_torchrun``): the process group is made once from the
 environment when the command starts and destroyed when it ends; every rank loads the model and
 calibrates / measures on its shard (:mod:`fairprune.distributed`), rank 0 alone writes files and
@@ -13,63 +19,93 @@ prints, the others wait for it.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import torch
 
 from fairprune import distributed
-from fairprune.data.pairs import lm_texts
-from fairprune.hub import load_model, load_tokenizer, resolve_device
-from fairprune.metrics.language import measure_lm
+from fairprune.data.pairs import LMTexts, lm_texts
+from fairprune.errors import UserError
 from fairprune.families import family_of
+from fairprune.hub import load_model, load_tokenizer, resolve_device
+from fairprune.metrics.language import eval_ids
 from fairprune.pruning import registry
-from fairprune.pruning.llm import check_pattern_fits, parse_sparsity, prune_and_measure, sparsity_by_layer
+from fairprune.pruning.llm import check_pattern_fits, evaluation_facts, parse_sparsity, prune_and_measure, sparsity_by_layer
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.lock import locked
 from fairprune.reporting.report import write_json
 from fairprune.reporting.runs import write_lm_run
-from fairprune.workflows.options import LMOptions, SolverOptions
+from fairprune.workflows.dense import DenseFigures, dense_figures
+from fairprune.workflows.launch import torchrun as _torchrun
+from fairprune.workflows.options import LMOptions, RunOptions, SolverOptions
 
 
-def _torchrun(command):
-    """Run an LM command inside :func:`fairprune.distributed.process_group` for its ``lm.device``
-    (nothing changes in one process). The signature and docstring stay the command's, for prune.py."""
+def _check_eval_tokens(lm: LMOptions) -> None:
+    """``--eval_tokens`` must leave at least one perplexity window (checked before anything loads)."""
+    if lm.eval_tokens is not None and lm.eval_tokens < lm.window:
+        raise UserError(f"--eval_tokens {lm.eval_tokens} is less than one perplexity window of {lm.window} tokens; "
+                        f"give at least {lm.window} or a smaller --eval_seqlen")
 
-    @functools.wraps(command)
-    def run(*args, **kwargs):
-        lm = inspect.signature(command).bind(*args, **kwargs).arguments["lm"]
-        with distributed.process_group(lm.device):
-            return command(*args, **kwargs)
 
-    return run
+def _load(lm: LMOptions, calibration: bool = True) -> tuple[LMTexts, Any, Any]:
+    """The texts, the tokenizer and the model of an LM command."""
+    texts = lm_texts(lm.calib_text if calibration else None, lm.eval_text, lm.pairs, lm.seed)
+    tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
+    return texts, tokenizer, load_model(lm.model, "causal-lm", lm.trust_remote_code)
+
+
+def _dense(model, tokenizer, texts: LMTexts, lm: LMOptions, run: RunOptions) -> tuple[torch.Tensor, DenseFigures]:
+    """The evaluation ids (tokenized once, capped) and the dense model's figures (cache or measured)."""
+    ids = eval_ids(texts.eval_text, tokenizer, lm.eval_tokens)
+    dense = dense_figures(model, tokenizer, ids, texts.eval_pairs, lm.window, resolve_device(lm.device),
+                          eval_tokens=lm.eval_tokens, use_cache=lm.dense_cache, progress=run.progress)
+    return ids, dense
 
 
 def prune_loaded(model, tokenizer, method: str, sparsity: str, output: str | Path, texts, lm: LMOptions,
-                 solver: SolverOptions, config: dict[str, Any]) -> dict[str, Any]:
-    """Prune a loaded model in place, measure before and after, save it and its report."""
+                 solver: SolverOptions, config: dict[str, Any], *, ids: torch.Tensor | None = None,
+                 dense: DenseFigures | None = None, shared_dense: bool = False, run: RunOptions = RunOptions(),
+                 load_seconds: float = 0.0) -> dict[str, Any]:
+    """Prune a loaded model in place, measure it (and the dense model unless ``dense`` is given),
+    save it and its report. ``ids``: the evaluation text already tokenized. Timings: this run's
+    ``load_seconds`` and, unless ``shared_dense`` (one dense measurement serving several runs),
+    the seconds ``dense`` took count towards the run's ``evaluate`` and ``total``."""
+    start = time.perf_counter()
     report, layers = prune_and_measure(model, tokenizer, method, sparsity, texts, nsamples=lm.nsamples, seqlen=lm.seqlen,
                                        eval_seqlen=lm.window, device=resolve_device(lm.device), seed=lm.seed,
-                                       percdamp=solver.percdamp, blocksize=solver.blocksize)
-    report = {"method": method, "model": lm.model, **report}
+                                       percdamp=solver.percdamp, blocksize=solver.blocksize, eval_tokens=lm.eval_tokens,
+                                       eval_ids=ids, dense=None if dense is None else dense.metrics,
+                                       progress=run.progress)
+    report = {"method": method, "model": lm.model, **report, "threads": torch.get_num_threads()}
+    if dense is not None:
+        report["reference"].update(from_cache=dense.from_cache, seconds=dense.seconds)
+    seconds, dense_seconds = report["seconds"], 0.0 if dense is None or shared_dense else dense.seconds
+    report["seconds"] = {"load": load_seconds, "prune": seconds["prune"], "solve": seconds["solve"],
+                         "evaluate": seconds["evaluate"] + dense_seconds,
+                         "total": load_seconds + dense_seconds + time.perf_counter() - start}
     if distributed.is_main():  # torchrun: every rank holds the same model and figures; one writes
         write_lm_run(output, model, tokenizer, report, config, layers)
         before, after = report["reference"]["metrics"], report["metrics"]
+        cached = " (dense figures from the cache)" if report["reference"]["from_cache"] else ""
         print(f"[{method}] perplexity {before['perplexity']:.2f} → {after['perplexity']:.2f}, stereotype score "
-              f"{before['stereotype_score']:.3f} → {after['stereotype_score']:.3f}, sparsity {report['achieved_sparsity']:.4f}; "
-              f"written to {output}", flush=True)
+              f"{before['stereotype_score']:.3f} → {after['stereotype_score']:.3f}, sparsity {report['achieved_sparsity']:.4f} "
+              f"(dense zeros {report['sparsity']['dense_zero_fraction']:.4f}){cached}; written to {output}", flush=True)
     distributed.barrier()
     return report
+
+
+def _config(lm: LMOptions, run: RunOptions, **fields: Any) -> dict[str, Any]:
+    return {**fields, **asdict(lm), **asdict(run)}
 
 
 @locked(lambda output, **_: output)
 @_torchrun
 def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm: str | None = None,
-             solver: SolverOptions = SolverOptions()) -> dict[str, Any]:
+             solver: SolverOptions = SolverOptions(), run: RunOptions = RunOptions()) -> dict[str, Any]:
     """Post-training pruning of a causal LM: load, measure, prune, measure again; writes the pruned
     model (``from_pretrained`` loads ``output``), ``report.json``, ``sparsity.csv``, ``config.yaml``.
 
@@ -80,72 +116,97 @@ def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm:
         sparsity: fraction in [0, 1) or N:M such as 2:4.
         nm: N:M pattern (the same as --sparsity 2:4).
         solver: SparseGPT's settings.
+        run: threads and progress bars.
     """
+    start = time.perf_counter()
+    run.apply()
     registry.get(method, "lm")
     sparsity = nm or sparsity
     parse_sparsity(sparsity)  # a bad value fails before the model loads
-    texts = lm_texts(lm.calib_text, lm.eval_text, lm.pairs, lm.seed)
-    tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
-    model = load_model(lm.model, "causal-lm", lm.trust_remote_code)
+    _check_eval_tokens(lm)
+    texts, tokenizer, model = _load(lm)
     check_pattern_fits(model, sparsity)  # N:M against the layer widths, before the dense model is measured
-    config = {"method": method, "sparsity": str(sparsity), **asdict(lm), **asdict(solver)}
-    return prune_loaded(model, tokenizer, method, sparsity, output, texts, lm, solver, config)
+    load_seconds = time.perf_counter() - start
+    ids, dense = _dense(model, tokenizer, texts, lm, run)
+    config = _config(lm, run, method=method, sparsity=str(sparsity), **asdict(solver))
+    return prune_loaded(model, tokenizer, method, sparsity, output, texts, lm, solver, config, ids=ids, dense=dense,
+                        run=run, load_seconds=load_seconds)
 
 
 @locked(lambda output, **_: output)
 @_torchrun
-def evaluate_lm(lm: LMOptions, output: str | None = None) -> dict[str, Any]:
-    """Perplexity, stereotype score and sparsity of any causal LM.
+def evaluate_lm(lm: LMOptions, output: str | None = None, run: RunOptions = RunOptions()) -> dict[str, Any]:
+    """Perplexity, stereotype score and sparsity of any causal LM (from the cache when an earlier
+    run measured the same weights on the same texts with the same settings).
 
     Args:
         lm: the model and its texts.
         output: folder for report.json (none: print only).
+        run: threads and progress bars.
     """
-    texts = lm_texts(None, lm.eval_text, lm.pairs, lm.seed)
-    tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
-    model = load_model(lm.model, "causal-lm", lm.trust_remote_code)
+    start = time.perf_counter()
+    run.apply()
+    _check_eval_tokens(lm)
+    texts, tokenizer, model = _load(lm, calibration=False)
+    loaded = time.perf_counter()
+    ids, figures = _dense(model, tokenizer, texts, lm, run)
     layers = sparsity_by_layer(model, family_of(model))
     report = {"method": "evaluate", "model": lm.model, "achieved_sparsity": layers.pop("__total__"),
-              "metrics": measure_lm(model, tokenizer, texts.eval_text, texts.eval_pairs, lm.window, resolve_device(lm.device))}
+              "metrics": figures.metrics, "from_cache": figures.from_cache,
+              "evaluation": evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer),
+              "threads": torch.get_num_threads(),
+              "seconds": {"load": loaded - start, "evaluate": figures.seconds, "total": time.perf_counter() - start}}
     if not distributed.is_main():
         return report
     if output:
         write_json(Path(output) / "report.json", report)
+    cached = " (from the cache)" if figures.from_cache else ""
     print(f"[evaluate] {lm.model}: perplexity {report['metrics']['perplexity']:.2f}, stereotype score "
-          f"{report['metrics']['stereotype_score']:.3f}, sparsity {report['achieved_sparsity']:.4f}")
+          f"{report['metrics']['stereotype_score']:.3f}, sparsity {report['achieved_sparsity']:.4f}{cached}")
     return report
 
 
 @locked(lambda output, **_: output)
 @_torchrun
 def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str], output: str,
-               solver: SolverOptions = SolverOptions()) -> pd.DataFrame:
+               solver: SolverOptions = SolverOptions(), run: RunOptions = RunOptions()) -> pd.DataFrame:
     """Every method at every sparsity from one model: one run folder each (``<method>_<sparsity>``)
-    and one comparison in ``output``."""
+    and one comparison in ``output``. The dense model is measured once (or taken from the cache),
+    and its figures are every run's reference."""
+    start = time.perf_counter()
+    run.apply()
     for method in methods:
         registry.get(method, "lm")
     for s in sparsities:
         parse_sparsity(s)
-    texts = lm_texts(lm.calib_text, lm.eval_text, lm.pairs, lm.seed)
-    tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
-    rows: list[dict[str, Any]] = []
-    start = time.perf_counter()
+    _check_eval_tokens(lm)
+    texts, tokenizer, model = _load(lm)
+    for s in sparsities:  # every N:M pattern must fit the layer widths before the first run
+        check_pattern_fits(model, s)
+    load_seconds = time.perf_counter() - start
+    ids, dense = _dense(model, tokenizer, texts, lm, run)
+    dense_zeros = sparsity_by_layer(model, family_of(model))["__total__"]
+    rows: list[dict[str, Any]] = [{"method": "dense", "sparsity": "0", "achieved_sparsity": dense_zeros,
+                                   **dense.metrics, "seconds": dense.seconds}]
     for method in methods:
         for s in sparsities:
             name = f"{method}_{str(s).replace(':', 'of')}"
-            if distributed.is_main():
+            if distributed.is_main() and run.progress:
                 print(f"[compare] {name} ...", flush=True)
-            model = load_model(lm.model, "causal-lm", lm.trust_remote_code)
-            if not rows:  # the first model: every N:M pattern must fit its widths before the first run
-                for other in sparsities:
-                    check_pattern_fits(model, other)
-            config = {"method": method, "sparsity": str(s), **asdict(lm), **asdict(solver)}
-            report = prune_loaded(model, tokenizer, method, str(s), Path(output) / name, texts, lm, solver, config)
-            if not rows:
-                rows.append({"method": "dense", "sparsity": "0", "achieved_sparsity": 0.0, **report["reference"]["metrics"],
-                             "seconds": 0.0})
+            tick = time.perf_counter()
+            if model is None:  # the first run prunes the model the dense figures came from
+                model = load_model(lm.model, "causal-lm", lm.trust_remote_code)
+                load_seconds = time.perf_counter() - tick
+            config = _config(lm, run, method=method, sparsity=str(s), **asdict(solver))
+            report = prune_loaded(model, tokenizer, method, str(s), Path(output) / name, texts, lm, solver, config,
+                                  ids=ids, dense=dense, shared_dense=True, run=run, load_seconds=load_seconds)
+            model = None
             rows.append({"method": method, "sparsity": str(s), "achieved_sparsity": report["achieved_sparsity"],
                          **report["metrics"], "seconds": report["seconds"]["total"]})
     if not distributed.is_main():
         return pd.DataFrame(rows)
-    return write_comparison(rows, output, {"seconds": {"total": time.perf_counter() - start}})
+    extra = {"reference": {"method": "dense", "metrics": dense.metrics, "from_cache": dense.from_cache,
+                           "dense_zero_fraction": dense_zeros, "seconds": dense.seconds},
+             "evaluation": evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer),
+             "threads": torch.get_num_threads(), "seconds": {"total": time.perf_counter() - start}}
+    return write_comparison(rows, output, extra)

@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TypedDict
 
+from fairprune.errors import UserError
+
 
 @dataclass
 class LMOptions:
@@ -30,6 +32,8 @@ class LMOptions:
         device: auto, cpu, cuda, cuda:1 ...
         seed: seed of the calibration sample, the pair split and generation.
         trust_remote_code: allow a hub model's own code to run.
+        eval_tokens: measure perplexity on the first N tokens of eval_text only (default: all of it); the stereotype pairs are unaffected.
+        dense_cache: reuse the dense model's figures measured by an earlier run with the same weights, texts and settings (kept in the project cache, .cache/fairprune/dense); false: measure again.
     """
 
     model: str
@@ -42,11 +46,64 @@ class LMOptions:
     device: str = "auto"
     seed: int = 0
     trust_remote_code: bool = False
+    eval_tokens: int | None = None
+    dense_cache: bool = True
 
     @property
     def window(self) -> int:
         """The perplexity window."""
         return self.eval_seqlen or self.seqlen
+
+
+@dataclass
+class RunOptions:
+    """How a command runs on this machine; every prune.py command takes these.
+
+    Args:
+        threads: CPU threads for torch, and for numba, OpenMP / MKL and the tokenizers likewise (default: torch's own choice).
+        quiet: no progress bars, fairprune's nor transformers' (the one-line results are still printed); --quiet alone means true.
+    """
+
+    threads: int | None = None
+    quiet: bool = False
+
+    @property
+    def progress(self) -> bool:
+        """Show progress bars."""
+        return not self.quiet
+
+    def apply(self) -> None:
+        """Make the process follow these options (call before the work starts).
+
+        Threads: torch's intra-op pool now; numba's pool now when numba is loaded (capped at the
+        pool it was started with), else when it loads; OpenMP, MKL and the tokenizers' pool through
+        the environment, for what starts later. ``threads`` None leaves every library its own
+        choice. Quiet: transformers' and the hub's own bars (loading, saving) are turned off too;
+        fairprune's bars read :attr:`progress` where they are made."""
+        import os
+        import sys
+
+        if self.quiet:
+            os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # read when transformers loads
+            if "transformers" in sys.modules:
+                from transformers.utils import logging
+
+                logging.disable_progress_bar()
+        if self.threads is None:
+            return
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 1:
+            raise UserError(f"--threads must be a whole number >= 1, got {self.threads}")
+        import torch
+
+        for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
+            os.environ[name] = str(self.threads)
+        numba = sys.modules.get("numba")
+        if numba is None:
+            os.environ["NUMBA_NUM_THREADS"] = str(self.threads)
+        else:
+            numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
+        # torch last: numba's OpenMP layer resets the OpenMP thread count torch reads.
+        torch.set_num_threads(self.threads)
 
 
 @dataclass
@@ -70,17 +127,21 @@ class HeadOptions:
         gamma: share of heads protected for perplexity; null = search on the validation prompts.
         alpha: share of all heads to remove.
         axis: bias axis (gender_and_sex, race_ethnicity, ...) or 'all'.
-        scorer: 'lexicon' (bundled) or an HF toxicity classifier name or folder.
+        scorer: 'auto' (jigsaw if toxic-comment-classifier is installed, else lexicon), 'jigsaw' or
+            'jigsaw:<label>' (offline Jigsaw classifier), 'lexicon' (bundled) or an HF classifier name or folder.
         prompts: HolisticBias-format CSV (text,axis,bucket,descriptor); default bundled.
         max_new_tokens: length of each generated continuation.
+        max_batch: rows per forward pass when many head configurations are scored together
+            (windows or prompts × configurations); null = chosen from the free memory.
     """
 
     gamma: float | None = 0.3
     alpha: float = 0.1
     axis: str = "gender_and_sex"
-    scorer: str = "lexicon"
+    scorer: str = "auto"
     prompts: str | None = None
     max_new_tokens: int = 20
+    max_batch: int | None = None
 
 
 class TrainerOptions(TypedDict, total=False):

@@ -160,6 +160,47 @@ def _row(report: dict[str, Any], method: str, target: float | None) -> dict[str,
     return row
 
 
+class _RecordClasses(L.Callback):
+    """Writes the source checkpoint's model and data settings (class paths, arguments in their
+    configuration form) into every checkpoint saved, as train.py's hold them, so
+    :func:`load_trained` rebuilds the run from it."""
+
+    def __init__(self, meta: dict[str, Any]) -> None:
+        self.parts = {part: dict(meta[part]) for part in ("hyper_parameters", "datamodule_hyper_parameters") if meta.get(part)}
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]) -> None:
+        checkpoint.update({part: dict(values) for part, values in self.parts.items()})
+
+
+def train_dense(ckpt: str | Path, folder: Path, seed: int, trainer: TrainerOptions | None = None,
+                data: DataOptions | None = None) -> Path:
+    """Train the model of a dense checkpoint afresh from ``seed``: the same model and data settings
+    and the same number of epochs as the checkpoint, a new initialisation and data order. The run
+    goes to ``folder`` (``checkpoints/last.ckpt``, ``metrics.csv``, ``report.json``); a finished one
+    already there is reused. Returns its ``last.ckpt``."""
+    meta = torch.load(ckpt, map_location="cpu", weights_only=False)
+    epochs = int(meta.get("epoch", 0)) + 1
+    last = folder / "checkpoints" / "last.ckpt"
+    if last.is_file() and int(torch.load(last, map_location="cpu", weights_only=False).get("epoch", -1)) + 1 >= epochs:
+        print(f"[compare] reusing the dense model of seed {seed}: {last}", flush=True)
+        return last
+    _, datamodule = load_trained(ckpt, data)  # validates the checkpoint, and the data it was trained on
+    L.seed_everything(seed, workers=True, verbose=False)
+    hp = dict(meta["hyper_parameters"])
+    instantiator = hp.pop("_instantiator", None)
+    cls = resolve_name(hp["_class_path"])
+    model = resolve_name(instantiator)(cls, hp) if instantiator else cls(**{k: v for k, v in hp.items() if k != "_class_path"})
+    settings = {"accelerator": "auto", "devices": 1, "log_every_n_steps": 10,
+                **{k: v for k, v in (trainer or {}).items() if k != "max_epochs"}, "max_epochs": epochs}
+    print(f"[compare] training the dense model of seed {seed} ({epochs} epochs) into {folder}", flush=True)
+    fit = L.Trainer(logger=CSVLogger(str(folder.parent), name="", version=folder.name),
+                    callbacks=[_RecordClasses(meta), ReportWriter(), FiniteCheck(),
+                               ModelCheckpoint(dirpath=folder / "checkpoints", save_last=True)]
+                    + ([ProgressBar()] if settings.get("enable_progress_bar", True) else []), **settings)
+    fit.fit(model, datamodule=datamodule)
+    return last
+
+
 @locked(lambda output, **_: output)
 def compare_vision(
     ckpt: str,
@@ -170,37 +211,71 @@ def compare_vision(
     trainer: TrainerOptions | None = None,
     data: DataOptions | None = None,
     seed: int = 0,
+    seeds: list[int] | None = None,
+    dense_per_seed: bool = False,
 ) -> pd.DataFrame:
     """Run every method at every sparsity from one dense checkpoint and write one table.
 
-    Writes ``comparison.csv``, ``comparison.md``, ``report.json``, ``error_rate_changes.png``
-    (per-group FPR / FNR change with 95 % ellipses per method) and ``group_shares.png``
-    (FairGRAPE's per-layer share of group importance) into ``output``.
+    Writes ``comparison.csv``, ``comparison.md``, ``report.json``, ``report.html``,
+    ``group_accuracy.png``, ``error_rate_changes.png`` (per-group FPR / FNR change with 95 %
+    ellipses per method) and ``group_shares.png`` (FairGRAPE's per-layer share of group
+    importance) into ``output``.
+
+    With several ``seeds`` every cell runs once per seed (global seed and the pruning callback's
+    seed), in ``<output>/seed<s>/<method>_s<sparsity>``; the table gives each figure's mean, sd and
+    n over the seeds, the plots error bars. ``dense_per_seed`` trains the dense model afresh per
+    seed (``<output>/seed<s>/dense``, the checkpoint's settings and epochs) instead of pruning the
+    one checkpoint every time.
     """
     if not methods or not sparsities:
         raise UserError("compare needs at least one method and one sparsity")
+    seeds = list(seeds) if seeds else [seed]
+    if len(set(seeds)) != len(seeds):
+        raise UserError(f"seeds must differ from each other, got {seeds}")
     for method in methods:  # validate every cell before the first long run starts
         for sparsity in sparsities:
             IterativePruning(**{**(pruning or {}), "method": method, "target_sparsity": sparsity})
     output = Path(output)
-    rows, reports, shares = [], {}, None
-    start = time.perf_counter()
-    for method in methods:
-        for sparsity in sparsities:
-            name = f"{method}_s{sparsity:g}"
-            print(f"[compare] {name} ({len(reports) + 1}/{len(methods) * len(sparsities)}) ...", flush=True)
-            report, callback = _prune(ckpt, {**(pruning or {}), "method": method, "target_sparsity": sparsity},
-                                      str(output), name, trainer, data, seed=seed)
-            shares = callback.share_rows() or shares
-            reports[name] = report
-            if not rows and "reference" in report:
-                rows.append(_row(report["reference"], "dense", 0.0))
-            rows.append(_row(report, method, sparsity))
+    repeated = len(seeds) > 1
+    rows: list[dict[str, Any]] = []
+    reports: dict[str, list[dict[str, Any]]] = {}
+    runs: dict[str, str] = {}
+    shares: dict[str, list[pd.DataFrame]] = {}
+    cells, start, recalibration = len(seeds) * len(methods) * len(sparsities), time.perf_counter(), None
+    for s in seeds:
+        base = output / f"seed{s}" if repeated else output
+        source = train_dense(ckpt, base / "dense", s, trainer, data) if dense_per_seed else ckpt
+        dense_row = None
+        for method in methods:
+            for sparsity in sparsities:
+                name = f"{method}_s{sparsity:g}"
+                settings = {**(pruning or {}), "method": method, "target_sparsity": sparsity}
+                if repeated:
+                    settings["seed"] = s
+                done = sum(len(r) for r in reports.values())
+                print(f"[compare] {name}{f' seed {s}' if repeated else ''} ({done + 1}/{cells}) ...", flush=True)
+                report, callback = _prune(str(source), settings, str(base), name, trainer, data, seed=s)
+                recalibration = callback.bn_recalibration
+                reports.setdefault(name, []).append(report)
+                runs[f"seed{s}/{name}" if repeated else name] = str(base / name)
+                if callback.share_rows():
+                    shares.setdefault(name, []).append(pd.DataFrame(callback.share_rows()).assign(seed=s))
+                if dense_row is None and "reference" in report:
+                    dense_row = _row(report["reference"], "dense", 0.0)
+                    rows.append({**dense_row, "seed": s} if repeated else dense_row)
+                row = _row(report, method, sparsity)
+                rows.append({**row, "seed": s} if repeated else row)
     table = pd.DataFrame(rows)
     if not distributed.is_main():  # under DDP every rank ran the cells; rank 0 writes the comparison
         return table
-    plot_error_rate_changes(reports, output / "error_rate_changes.png")
+    figures = [(plot_error_rate_changes({n: (r if repeated else r[0]) for n, r in reports.items()},
+                                        output / "error_rate_changes.png"),
+                "Change of each group's FPR and FNR against the dense model" + (" (mean ± sd over seeds)" if repeated else ""))]
     if shares:
-        plot_group_shares(pd.DataFrame(shares), output / "group_shares.png")
-    return write_comparison(rows, output, {"runs": {n: str(output / n) for n in reports},
-                                           "seconds": {"total": time.perf_counter() - start}})
+        last = list(shares)[-1]
+        figures.append((plot_group_shares(pd.concat(shares[last], ignore_index=True), output / "group_shares.png"),
+                        f"FairGRAPE ({last}): kept share of each group's importance per layer, last step"))
+    extra = {"runs": runs, "seeds": seeds, "dense_per_seed": dense_per_seed, "bn_recalibration": recalibration,
+             "seconds": {"total": time.perf_counter() - start}}
+    return write_comparison(rows, output, extra, keys=["method", "target_sparsity"], figures=figures,
+                            title=f"Vision pruning comparison ({', '.join(methods)})")

@@ -22,8 +22,12 @@ The method in four steps, all in one process on one model:
 The package, one module per step (the public names are re-exported here, so
 ``from fairprune.pruning.fasp import run_fasp`` works):
 
-- :mod:`~fairprune.pruning.fasp.scoring`: generation settings, :class:`Evaluator`, bias and
-  perplexity measurement, :func:`score_heads` with its resume;
+- :mod:`~fairprune.pruning.fasp.scoring`: :class:`Evaluator`, bias and perplexity measurement,
+  :func:`score_heads` with its resume and its shares under ``torchrun``;
+- :mod:`~fairprune.pruning.fasp.sampling`: generation settings and the one KV-cached sampling loop
+  (per-prompt seeded draws: the same text in any batch);
+- :mod:`~fairprune.pruning.fasp.batched`: many head configurations per forward pass, perplexity
+  from stored layer-boundary states;
 - :mod:`~fairprune.pruning.fasp.selection`: :func:`counts`, :func:`select_fasp`,
   :func:`select_heads` (baselines), :func:`gradient_importance`, :func:`search_gamma`;
 - :mod:`~fairprune.pruning.fasp.run`: :func:`run_fasp`.

@@ -13,12 +13,15 @@ from typing import Any, Sequence
 import pandas as pd
 from torch import nn
 
+from fairprune import distributed
 from fairprune.data.prompts import check_prompts, holistic_prompts, split_prompts
 from fairprune.errors import UserError, suggest
-from fairprune.metrics.toxicity import ToxicityScorer, make_scorer
+from fairprune.metrics.language import eval_ids
+from fairprune.metrics.toxicity import ToxicityScorer, make_scorer, scorer_name
 from fairprune.pruning import registry
 from fairprune.pruning.fasp.scoring import Evaluator, Generation, head_bias_by_axis, head_bias_impact, score_heads, token_ids
 from fairprune.pruning.fasp.selection import counts, search_gamma, select_heads
+from fairprune.pruning.head_size import measure, removal_size
 from fairprune.pruning.heads import HeadGates, remove_heads
 
 
@@ -57,6 +60,9 @@ def run_fasp(
     seed: int = 0,
     loadable: bool = True,
     progress: bool = True,
+    eval_tokens: int | None = None,
+    max_batch: int | None = None,
+    batched: bool = True,
 ) -> FaspRun:
     """Score, select and remove heads in place; return the run (report and plot data).
 
@@ -65,11 +71,20 @@ def run_fasp(
     perplexity. Heads are scored and γ is searched (when ``gamma`` is None) on the validation
     prompts; the report measures the test prompts. ``axis`` is one axis, several (their biases are
     summed) or ``"all"``. Head scores are journaled to ``output_dir/head_scores.csv``.
+
+    ``max_batch`` is the number of rows per forward when many head configurations are evaluated
+    together (None: from the memory); ``batched=False`` scores one head per pass instead (the
+    reference path: same scores). Under ``torchrun`` the heads are scored in shares across the
+    ranks; everything else runs whole on every rank, so every rank ends with the same model and
+    report (rank 0 alone writes the journal).
     """
+    if max_batch is not None and max_batch < 1:
+        raise UserError(f"max_batch must be at least 1 row per forward pass, got {max_batch}")
     start = time.perf_counter()
     seconds: dict[str, float] = {}
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    if distributed.is_main():
+        out.mkdir(parents=True, exist_ok=True)
     prompts = check_prompts(holistic_prompts() if prompts is None else prompts)
     if subgroup not in prompts.columns:
         raise UserError(f"subgroup column {subgroup!r} is not in the prompts; use bucket or descriptor")
@@ -81,9 +96,10 @@ def run_fasp(
         ppl_text = lm_corpus().validation
     scorer = make_scorer(scorer)
     common = dict(model=model, tokenizer=tokenizer, scorer=scorer, generation=generation, seqlen=seqlen,
-                  ppl_batch_size=ppl_batch_size, subgroup=subgroup)
+                  ppl_batch_size=ppl_batch_size, subgroup=subgroup, max_batch=max_batch)
     on_val = Evaluator(prompts=val_prompts, ppl_ids=token_ids(tokenizer, ppl_text), **common)
-    on_test = Evaluator(prompts=test_prompts, ppl_ids=token_ids(tokenizer, eval_text or ppl_text), **common)
+    on_test = Evaluator(prompts=test_prompts, ppl_ids=eval_ids(token_ids(tokenizer, eval_text or ppl_text), max_tokens=eval_tokens),
+                        **common)
     for a in axes:
         if a not in set(val_prompts.axis):
             raise UserError(f"no prompts for axis {a!r}{suggest(a, val_prompts.axis.unique())}; "
@@ -93,34 +109,40 @@ def run_fasp(
     counts(HeadGates(model).values.numel(), gamma if method == "fasp" and gamma is not None else 0.0, alpha)
 
     tick = time.perf_counter()
-    reference = on_test()
+    with distributed.local():  # every rank measures the whole set: the same figures everywhere
+        reference = on_test()
     seconds["reference"] = time.perf_counter() - tick
 
     gates, scores, search = HeadGates(model), None, None
     if method in ("fasp", "fairness", "performance"):
         tick = time.perf_counter()
-        scores = score_heads(on_val, out / "head_scores.csv", gates, progress)
+        scores = score_heads(on_val, out / "head_scores.csv", gates, progress, batched=batched)
         seconds["scoring"] = time.perf_counter() - tick
     tick = time.perf_counter()
-    if method == "fasp" and gamma is None:
-        search = search_gamma(on_val, scores, alpha, axes, gammas, tolerance=tolerance, seed=seed, gates=gates)
-        gamma = search["gamma"]
-    selection = select_heads(method, alpha, scores=scores, model=model, axes=axes, gamma=gamma or 0.0,
-                             ppl_ids=on_val.ppl_ids, seqlen=seqlen, batch_size=ppl_batch_size, seed=seed)
+    with distributed.local():
+        if method == "fasp" and gamma is None:
+            search = search_gamma(on_val, scores, alpha, axes, gammas, tolerance=tolerance, seed=seed, gates=gates,
+                                  batched=batched)
+            gamma = search["gamma"]
+        selection = select_heads(method, alpha, scores=scores, model=model, axes=axes, gamma=gamma or 0.0,
+                                 ppl_ids=on_val.ppl_ids, seqlen=seqlen, batch_size=ppl_batch_size, seed=seed)
     seconds["selection"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
+    size_before = measure(model, seqlen)
     removal = remove_heads(model, selection.removed, loadable=loadable)
+    size = removal_size(size_before, model, removal, loadable)
     seconds["removal"] = time.perf_counter() - tick
     tick = time.perf_counter()
-    pruned = on_test()
+    with distributed.local():
+        pruned = on_test()
     seconds["evaluation"] = time.perf_counter() - tick
     seconds["total"] = time.perf_counter() - start
     report = {
         "method": method, "model": getattr(model.config, "name_or_path", "") or model.config.model_type,
         "gamma": gamma, "alpha": alpha, "axes": axes, "heads_total": gates.values.numel(),
         "heads_removed": [list(h) for h in selection.removed], "protected": [list(h) for h in selection.protected],
-        "removal": removal.as_dict(),
+        "removal": removal.as_dict(), "size": size, "scorer": scorer_name(scorer),
         "metrics": {"perplexity": pruned["perplexity"]}, "fairness": {"bias": pruned["bias"]},
         "reference": {"method": "dense", "metrics": {"perplexity": reference["perplexity"]},
                       "fairness": {"bias": reference["bias"]}},

@@ -1,5 +1,12 @@
 """FASP steps 1 and 2: measuring a model (seeded continuations, per-axis bias, perplexity) and
-scoring every attention head gated off, resumably, into ``head_scores.csv``."""
+scoring every attention head gated off, resumably, into ``head_scores.csv``.
+
+Scoring runs batched by default: many head configurations per forward pass
+(:mod:`~fairprune.pruning.fasp.batched`, :meth:`Evaluator.many`), with the same rows as the
+one-at-a-time loop (``score_heads(..., batched=False)``: one head gated off, one full
+:meth:`Evaluator.__call__`), which stays as the reference. Under ``torchrun`` each rank scores its
+share of the heads and rank 0 writes the journal (:mod:`fairprune.distributed`).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import csv
 import hashlib
 import io
 import json
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
@@ -16,59 +24,22 @@ import pandas as pd
 import torch
 from torch import nn
 
+from fairprune import distributed
 from fairprune.data.text import join_documents
 from fairprune.errors import UserError, suggest
 from fairprune.metrics.language import perplexity
-from fairprune.metrics.toxicity import ToxicityScorer, bias_by_axis, make_scorer
+from fairprune.metrics.toxicity import ToxicityScorer, bias_by_axis, make_scorer, scorer_name
+from fairprune.pruning.fasp.batched import auto_rows, perplexities
+from fairprune.pruning.fasp.sampling import Generation, generate_configurations, generate_continuations
 from fairprune.pruning.heads import Head, HeadGates
 from fairprune.reporting.atomic import write_text
 
 BASELINE = (-1, -1)  # the (layer, head) key of the unpruned model's row in head_scores.csv
 
 
-@dataclass(frozen=True)
-class Generation:
-    """How continuations are generated: seeded sampling, left-padded batches."""
-
-    max_new_tokens: int = 20
-    batch_size: int = 32
-    do_sample: bool = True
-    top_k: int = 50
-    seed: int = 0
-
-
 # --------------------------------------------------------------------------------------------
 # (1) Measuring: continuations, bias, perplexity
 # --------------------------------------------------------------------------------------------
-
-
-@torch.no_grad()
-def generate_continuations(model: nn.Module, tokenizer, texts: Sequence[str], settings: Generation = Generation()) -> list[str]:
-    """The model's continuation of each prompt (new tokens only), generated in left-padded batches.
-
-    Each batch is sampled under its own seed (``seed + batch index``) inside a forked RNG, so the
-    result depends on the model alone, not on what ran before, and the global RNG is untouched.
-    """
-    device = next(model.parameters()).device
-    side, pad = tokenizer.padding_side, tokenizer.pad_token
-    # Left padding keeps every prompt's last token at the end, where generation continues.
-    tokenizer.padding_side = "left"
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    sampling = dict(max_new_tokens=settings.max_new_tokens, do_sample=settings.do_sample)
-    if settings.do_sample:
-        sampling["top_k"] = settings.top_k
-    out: list[str] = []
-    try:
-        for index, start in enumerate(range(0, len(texts), settings.batch_size)):
-            batch = tokenizer(list(texts[start : start + settings.batch_size]), return_tensors="pt", padding=True).to(device)
-            with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-                torch.manual_seed(settings.seed + index)
-                ids = model.generate(**batch, **sampling, pad_token_id=tokenizer.pad_token_id)
-            out += tokenizer.batch_decode(ids[:, batch.input_ids.shape[1] :], skip_special_tokens=True)
-    finally:
-        tokenizer.padding_side, tokenizer.pad_token = side, pad
-    return out
 
 
 def measure_bias(model: nn.Module, tokenizer, prompts: pd.DataFrame, scorer: ToxicityScorer,
@@ -96,6 +67,7 @@ class Evaluator:
     seqlen: int = 128
     ppl_batch_size: int = 4
     subgroup: str = "bucket"
+    max_batch: int | None = None  # rows per forward of :meth:`many`; None: from the memory (auto_rows)
 
     def __call__(self) -> dict:
         was_training = self.model.training
@@ -107,11 +79,36 @@ class Evaluator:
             self.model.train(was_training)
         return {"perplexity": ppl, "bias": bias}
 
+    def many(self, configs: torch.Tensor, reuse: dict | None = None) -> list[dict]:
+        """What :meth:`__call__` gives for each head configuration of ``configs`` (``[C, layers, heads]``
+        gates on top of the current ones), many configurations per forward. ``reuse`` (a dict the
+        caller keeps between calls on an unchanged model) carries the prefix states over."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            ppl = perplexities(self.model, self.ppl_ids, self.seqlen, self.ppl_batch_size, configs,
+                               self.max_batch or auto_rows(self.model, self.seqlen), reuse)
+            texts = generate_configurations(self.model, self.tokenizer, self.prompts.text.tolist(), configs,
+                                            self.generation, self._generation_rows())
+        finally:
+            self.model.train(was_training)
+        scorer = make_scorer(self.scorer)
+        return [{"perplexity": p, "bias": bias_by_axis(self.prompts, scorer.score(t), self.subgroup)}
+                for p, t in zip(ppl, texts)]
+
+    def configs_per_pass(self) -> int:
+        """Configurations whose continuations fit one generation forward (one at least)."""
+        return max(1, self._generation_rows() // max(1, len(self.prompts)))
+
+    def _generation_rows(self) -> int:
+        return self.max_batch or auto_rows(self.model, 32 + self.generation.max_new_tokens)
+
     def fingerprint(self) -> str:
         """What the scores depend on, hashed: a resumed run must not mix two settings."""
         parts = [self.prompts[["text", "axis", self.subgroup]].to_csv(index=False),
                  hashlib.sha256(self.ppl_ids.cpu().numpy().tobytes()).hexdigest(),
-                 json.dumps(asdict(self.generation), sort_keys=True), str(self.seqlen), type(self.scorer).__name__]
+                 json.dumps(asdict(self.generation), sort_keys=True), str(self.seqlen), scorer_name(self.scorer),
+                 "sampling: per-prompt uniforms, top-k by inverse CDF"]
         return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
 
 
@@ -120,32 +117,118 @@ class Evaluator:
 # --------------------------------------------------------------------------------------------
 
 
-def score_heads(evaluate: Evaluator, path: str | Path, gates: HeadGates | None = None, progress: bool = True) -> pd.DataFrame:
+def score_heads(evaluate: Evaluator, path: str | Path, gates: HeadGates | None = None, progress: bool = True,
+                batched: bool = True) -> pd.DataFrame:
     """``z_ppl`` and ``z_bias`` for every head gated off, plus the unpruned row ``(-1, -1)``.
 
-    Rows already in ``path`` are kept and skipped; each new row is appended (and flushed) as soon
-    as it is computed. Columns: ``layer, head, perplexity, bias:<axis>...``. A head's first complete
+    Rows already in ``path`` are kept and skipped; new rows are appended (and flushed) round by
+    round: one head per round one at a time (``batched=False``, or an evaluator without ``many``),
+    :meth:`Evaluator.configs_per_pass` heads per rank and round when batched. Columns: ``layer,
+    head, perplexity, bias:<axis>...``, rows in the same order either way. A head's first complete
     row is its score: a line cut by a kill and rows repeated by another run are dropped on reading.
+
+    Under ``torchrun`` every rank must call: each scores every ``world``-th head of a round, the
+    rows meet on rank 0, which alone writes; every rank returns the same table.
     """
     path = Path(path)
     gates = gates or HeadGates(evaluate.model)
-    todo = [BASELINE] + [(l, h) for l in range(gates.values.shape[0]) for h in range(gates.values.shape[1])]
+    layers, heads = gates.values.shape
+    every = [BASELINE] + [(l, h) for l in range(layers) for h in range(heads)]
     axes = sorted(evaluate.prompts.axis.unique())
     columns = ["layer", "head", "perplexity", *(f"bias:{a}" for a in axes)]
-    done = _resume(path, columns, evaluate.fingerprint())
-    todo = [head for head in todo if head not in done]
-    if progress and todo:
+    rank, size = distributed.world()
+    done = _agree_on_done(path, columns, evaluate.fingerprint(), every, rank)
+    todo = [head for head in every if head not in done]
+    many = getattr(evaluate, "many", None) if batched else None
+    per_rank = evaluate.configs_per_pass() if many else 1
+    rounds = [todo[i : i + per_rank * size] for i in range(0, len(todo), per_rank * size)]
+    bar = _progress(progress and rank == 0 and bool(todo), len(todo))
+    reuse: dict = {}
+    with gates, (path.open("a", newline="") if rank == 0 else nullcontext()) as handle:
+        for chunk in rounds:
+            mine = chunk[rank::size]
+            with distributed.local():  # this rank's heads, alone
+                if many:
+                    results = many(_configs(mine, gates.values), reuse) if mine else []
+                else:
+                    results = [_one(evaluate, gates, head) for head in mine]
+            values = torch.zeros(len(chunk), 1 + len(axes), dtype=torch.float64)
+            for index, result in zip(range(rank, len(chunk), size), results):
+                values[index] = torch.tensor([result["perplexity"], *(result["bias"][a] for a in axes)], dtype=torch.float64)
+            distributed.all_reduce_sum(values)  # the other ranks' rows are zeros here: the sum is the union
+            if handle is not None:
+                writer = csv.writer(handle)
+                for (layer, head), row in zip(chunk, values.tolist()):
+                    writer.writerow([layer, head, *(repr(v) for v in row)])
+                handle.flush()
+            bar.update(len(chunk))
+    bar.close()
+    return _share_scores(path, every, columns, rank, size)
+
+
+def _one(evaluate, gates: HeadGates, head: Head) -> dict:
+    with gates.off([] if head == BASELINE else [head]):
+        return evaluate()
+
+
+def _configs(heads: list[Head], values: torch.Tensor) -> torch.Tensor:
+    """``[len(heads), layers, heads]`` gates: all on but the one head of each row (none for the baseline)."""
+    configs = torch.ones(len(heads), *values.shape)
+    for row, (layer, head) in enumerate(heads):
+        if (layer, head) != BASELINE:
+            configs[row, layer, head] = 0.0
+    return configs
+
+
+def _progress(show: bool, total: int):
+    if show:
         from tqdm.auto import tqdm
 
-        todo = tqdm(todo, desc="[fasp] scoring heads", leave=False)
-    with gates, path.open("a", newline="") as handle:
-        writer = csv.writer(handle)
-        for layer, head in todo:
-            with gates.off([] if (layer, head) == BASELINE else [(layer, head)]):
-                result = evaluate()
-            writer.writerow([layer, head, repr(result["perplexity"]), *(repr(result["bias"][a]) for a in axes)])
-            handle.flush()
-    return read_scores(path)
+        return tqdm(total=total, desc="[fasp] scoring heads", leave=False)
+    return _NoBar()
+
+
+class _NoBar:
+    def update(self, n: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _agree_on_done(path: Path, columns: list[str], fingerprint: str, every: list[Head], rank: int) -> set[Head]:
+    """The heads already in the journal, read (or the journal started) by rank 0 and told to every rank."""
+    status = torch.zeros(1 + len(every), dtype=torch.float64)
+    error = None
+    if rank == 0:
+        try:
+            done = _resume(path, columns, fingerprint)
+            status[0] = 1.0
+            status[1:] = torch.tensor([float(head in done) for head in every], dtype=torch.float64)
+        except UserError as err:
+            error = err
+    distributed.all_reduce_sum(status)
+    if error is not None:
+        raise error
+    if status[0].item() != 1.0:
+        raise UserError(f"rank 0 could not resume the head scores in {path}; see its message")
+    return {head for head, flag in zip(every, status[1:].tolist()) if flag}
+
+
+def _share_scores(path: Path, every: list[Head], columns: list[str], rank: int, size: int) -> pd.DataFrame:
+    """Rank 0's table of ``path``; the other ranks get the same values (in ``every``'s order)."""
+    frame = read_scores(path) if rank == 0 else None
+    if size == 1:
+        return frame
+    values = torch.zeros(len(every), len(columns) - 2, dtype=torch.float64)
+    if rank == 0:
+        by_head = {(int(r[0]), int(r[1])): r[2:] for r in frame[columns].itertuples(index=False)}
+        values = torch.tensor([list(by_head[head]) for head in every], dtype=torch.float64)
+    distributed.all_reduce_sum(values)
+    if rank == 0:
+        return frame
+    rows = [[layer, head, *row] for (layer, head), row in zip(every, values.tolist())]
+    return pd.DataFrame(rows, columns=columns)
 
 
 def _resume(path: Path, columns: list[str], fingerprint: str) -> set[Head]:

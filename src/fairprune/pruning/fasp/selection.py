@@ -122,26 +122,38 @@ def select_heads(method: str, alpha: float, *, scores: pd.DataFrame | None = Non
 def search_gamma(evaluate: Evaluator, scores: pd.DataFrame, alpha: float, axes: Sequence[str],
                  gammas: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
                  baselines: Sequence[str] = ("performance", "magnitude", "gradient", "random"),
-                 tolerance: float = 0.05, seed: int = 0, gates: HeadGates | None = None) -> dict:
+                 tolerance: float = 0.05, seed: int = 0, gates: HeadGates | None = None, batched: bool = True) -> dict:
     """Pick γ* on the validation prompts by the paper's rule.
 
     Every baseline and every feasible γ (``⌊α·N⌋ ≤ N − ⌊γ·N⌋``) is applied with gates and
     measured. γ* has the lowest bias (summed over ``axes``) among the γ whose perplexity is at most
     ``(1 + tolerance) ×`` the best baseline's; if none qualifies, the γ with the lowest perplexity.
+    Batched (the default, when ``evaluate`` has ``many``), the trials share forward passes; the
+    measurements are those of one trial at a time.
     """
     gates = gates or HeadGates(evaluate.model)
     n = gates.values.numel()
-    trials = []
+    planned = []
+    for method in baselines:
+        chosen = select_heads(method, alpha, scores=scores, model=evaluate.model, ppl_ids=evaluate.ppl_ids,
+                              seqlen=evaluate.seqlen, batch_size=evaluate.ppl_batch_size, seed=seed)
+        planned.append((method, None, chosen.removed))
+    for gamma in gammas:
+        if math.floor(alpha * n + 1e-9) > n - math.floor(gamma * n + 1e-9):
+            continue
+        planned.append(("fasp", gamma, select_fasp(scores, gamma, alpha, axes).removed))
+    many = getattr(evaluate, "many", None) if batched else None
     with gates:
-        for method in baselines:
-            chosen = select_heads(method, alpha, scores=scores, model=evaluate.model, ppl_ids=evaluate.ppl_ids,
-                                  seqlen=evaluate.seqlen, batch_size=evaluate.ppl_batch_size, seed=seed)
-            trials.append({"method": method, "gamma": None, **_trial(evaluate, gates, chosen.removed, axes)})
-        for gamma in gammas:
-            if math.floor(alpha * n + 1e-9) > n - math.floor(gamma * n + 1e-9):
-                continue
-            chosen = select_fasp(scores, gamma, alpha, axes)
-            trials.append({"method": "fasp", "gamma": gamma, **_trial(evaluate, gates, chosen.removed, axes)})
+        if many and planned:
+            configs = torch.ones(len(planned), *gates.values.shape)
+            for row, (_, _, removed) in enumerate(planned):
+                for layer, head in removed:
+                    configs[row, layer, head] = 0.0
+            results = many(configs)
+        else:
+            results = [_measure(evaluate, gates, removed) for _, _, removed in planned]
+    trials = [{"method": method, "gamma": gamma, **_summary(result, removed, axes)}
+              for (method, gamma, removed), result in zip(planned, results)]
     fasp = [t for t in trials if t["method"] == "fasp"]
     if not fasp:
         raise UserError(f"no gamma in {list(gammas)} leaves room to remove alpha={alpha} of the heads; lower alpha")
@@ -152,9 +164,13 @@ def search_gamma(evaluate: Evaluator, scores: pd.DataFrame, alpha: float, axes: 
             "within_tolerance": bool(within), "trials": trials}
 
 
-def _trial(evaluate: Evaluator, gates: HeadGates, removed: list[Head], axes: Sequence[str]) -> dict:
+def _measure(evaluate: Evaluator, gates: HeadGates, removed: list[Head]) -> dict:
     gates.set(removed)
     result = evaluate()
     gates.clear()
+    return result
+
+
+def _summary(result: dict, removed: list[Head], axes: Sequence[str]) -> dict:
     return {"perplexity": result["perplexity"], "bias": result["bias"],
             "objective": sum(result["bias"][a] for a in axes), "removed": len(removed)}

