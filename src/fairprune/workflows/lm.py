@@ -187,7 +187,7 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str], output:
     ids, dense = _dense(model, tokenizer, texts, lm, run)
     dense_zeros = sparsity_by_layer(model, family_of(model))["__total__"]
     rows: list[dict[str, Any]] = [{"method": "dense", "sparsity": "0", "achieved_sparsity": dense_zeros,
-                                   **dense.metrics, "seconds": dense.seconds}]
+                                   **dense.metrics, "prune_seconds": 0.0, "seconds": dense.seconds}]
     for method in methods:
         for s in sparsities:
             name = f"{method}_{str(s).replace(':', 'of')}"
@@ -202,7 +202,8 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str], output:
                                   ids=ids, dense=dense, shared_dense=True, run=run, load_seconds=load_seconds)
             model = None
             rows.append({"method": method, "sparsity": str(s), "achieved_sparsity": report["achieved_sparsity"],
-                         **report["metrics"], "seconds": report["seconds"]["total"]})
+                         **report["metrics"], "prune_seconds": report["seconds"]["prune"],
+                         "seconds": report["seconds"]["total"]})
     if not distributed.is_main():
         return pd.DataFrame(rows)
     extra = {"reference": {"method": "dense", "metrics": dense.metrics, "from_cache": dense.from_cache,
