@@ -3,7 +3,7 @@
 1. Trains a half-width MobileNet-V2 on the bundled synthetic faces (generated on first use in the
    UTKFace layout and read by the real UTKFace reader): gender, measured per race group.
 2. Tests it and prints the per-group table.
-3. Prunes the dense checkpoint to 90 % with magnitude (WS) and with FairGRAPE, retraining between
+3. Prunes the dense checkpoint to 80 % with magnitude (WS) and with FairGRAPE, retraining between
    steps, and prints one comparison table: overall and per-group accuracy, accuracy gap,
    degradation std, sparsity, seconds.
 
@@ -29,7 +29,7 @@ def main() -> int:
     steps = [
         ("training the dense model", lambda: train_main(["fit", "--config", TRAIN_CONFIG])),
         ("testing it on the held-out split", lambda: train_main(["test", "--config", TRAIN_CONFIG, "--ckpt_path", str(checkpoint)])),
-        ("pruning to 90 % with magnitude and FairGRAPE", lambda: prune_main(["compare", "--config", COMPARE_CONFIG])),
+        ("pruning to 80 % with magnitude and FairGRAPE", lambda: prune_main(["compare", "--config", COMPARE_CONFIG])),
     ]
     for i, (what, step) in enumerate(steps, 1):
         print(f"\n[demo {i}/{len(steps)}] {what} ... ({time.perf_counter() - start:.0f} s so far)", flush=True)
