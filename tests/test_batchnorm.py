@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -14,8 +12,8 @@ from torch import nn
 
 from fairprune.errors import UserError
 from fairprune.pruning.batchnorm import batchnorm_layers, recalibrate_batchnorm
+from processes import run_ranks
 
-LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def _model() -> nn.Module:
@@ -95,6 +93,7 @@ import sys, torch, torch.distributed as dist
 sys.path.insert(0, sys.argv[4])
 from test_batchnorm import _model, _batches
 from fairprune.pruning.batchnorm import batchnorm_layers, recalibrate_batchnorm
+from processes import run_ranks
 rank, init_file, out_file = int(sys.argv[1]), sys.argv[2], sys.argv[3]
 torch.set_num_threads(1)
 model = _model()
@@ -109,16 +108,8 @@ if rank >= 0:
 
 
 def test_two_processes_end_with_one_process_statistics(tmp_path):
-    env = {**{k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}, "OMP_NUM_THREADS": "1"}
     tests = os.path.dirname(os.path.abspath(__file__))
-    procs = [subprocess.Popen([sys.executable, "-c", _SHARDED, str(r), str(tmp_path / "init"), str(tmp_path / f"{r}.pt"),
-                               tests], env=env) for r in (-1, 0, 1)]
-    try:
-        assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    run_ranks(_SHARDED, lambda r: [str(r), str(tmp_path / "init"), str(tmp_path / f"{r}.pt"), tests])
     one, r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (-1, 0, 1))
     assert one["used"] == r0["used"] == r1["used"] == 5
     for a, b, c in zip(one["stats"], r0["stats"], r1["stats"]):

@@ -29,12 +29,11 @@ from torch.utils.data import DistributedSampler
 
 from fairprune.callbacks.pruning import IterativePruning
 from fairprune.pruning.masks import prunable_targets
+from processes import clean_env, run_ranks
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 300  # seconds per command: far above the ~20 s one takes, bounded if a rank ever hangs
 DDP = ["--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu"]
-LAUNCH_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
-                    "GROUP_RANK")
 # One pruning step at the start of the first epoch, before any training: DDP and one process prune
 # the same weights.
 ONE_STEP = {"method": "fairgrape", "target_sparsity": 0.5, "keep_per_iter": 0.5, "retrain_epochs": 1, "start_epoch": 0}
@@ -59,7 +58,7 @@ class RankProbe(L.Callback):
 
 def launch(script: str, args: list[str], cwd: Path) -> str:
     """Run ``python <script> args`` in ``cwd`` (bounded); its output, once it succeeded."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}
+    env = clean_env()
     paths = [str(ROOT / "tests"), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
     env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", HF_HUB_OFFLINE="1", PYTHONPATH=os.pathsep.join(paths))
     cwd.mkdir(parents=True, exist_ok=True)
@@ -294,16 +293,7 @@ dist.destroy_process_group()
 def test_importance_scores_of_two_processes_are_one_process_scores(tmp_path):
     """SNIP, GraSP and FairGRAPE's per-group scores from two shards (gloo) equal the scores of one
     process over every batch: sums, sample and batch counts are all reduced."""
-    env = {**{k: v for k, v in os.environ.items() if k not in LAUNCH_VARIABLES}, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-c", _IMPORTANCE]
-    procs = [subprocess.Popen([*cmd, str(r), str(tmp_path / "init"), str(tmp_path / f"{r}.pt")], env=env)
-             for r in (-1, 0, 1)]
-    try:
-        assert [p.wait(timeout=120) for p in procs] == [0, 0, 0]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+    run_ranks(_IMPORTANCE, lambda r: [str(r), str(tmp_path / "init"), str(tmp_path / f"{r}.pt")])
     one, two = torch.load(tmp_path / "-1.pt"), torch.load(tmp_path / "0.pt")
     for method, a, b in zip(("snip", "grasp", "fairgrape"), one, two):
         for name in a:
