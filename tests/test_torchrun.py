@@ -194,15 +194,16 @@ def weights(folder: Path) -> dict[str, torch.Tensor]:
 
 @pytest.mark.slow  # three launches of two processes: about a minute on two cores
 def test_fasp_under_torchrun_matches_one_process(tiny_lm, tmp_path, one_thread):
-    """``prune.py fasp`` on two ranks (each scores every other head, rank 0 writes) gives one
-    process's head_scores.csv byte for byte, the same heads removed, report and saved model; a rerun
-    on a cut journal keeps its rows, scores the rest and ends with the same journal."""
+    """``prune.py fasp`` on two ranks (each scores every other head and measures every other γ-search
+    trial, rank 0 writes) gives one process's head_scores.csv byte for byte, the same γ search,
+    heads removed, report and saved model; a rerun on a cut journal keeps its rows, scores the rest
+    and ends with the same journal."""
     from fairprune.data.prompts import holistic_prompts, write_prompts
 
     frame = holistic_prompts(["gender_and_sex", "religion"])
     prompts = write_prompts(tmp_path / "prompts.csv", frame[frame.descriptor.isin(
         ["female", "male", "trans", "nonbinary", "Christian", "Muslim", "Jewish", "Hindu"])])
-    fasp = ["fasp", "--model", str(tiny_lm["model"]), "--gamma", "0.25", "--alpha", "0.25", "--axis", "all",
+    fasp = ["fasp", "--model", str(tiny_lm["model"]), "--gamma", "null", "--alpha", "0.25", "--axis", "all",
             "--scorer", "lexicon", "--prompts", str(prompts), "--max_new_tokens", "4", "--max_batch", "24", "--calib_text", str(tiny_lm["model"].parent / "eval.txt"),
             *tiny_lm["lm"]]  # 24 rows: one head per rank and round, rounds of two heads
     printed = finish(torchrun([*fasp, "--output", "A"], tmp_path / "a"))
@@ -214,6 +215,7 @@ def test_fasp_under_torchrun_matches_one_process(tiny_lm, tmp_path, one_thread):
     ra, rb = report(a), report(b)
     assert ra["heads_removed"] == rb["heads_removed"] and len(ra["heads_removed"]) == 2
     assert ra["protected"] == rb["protected"]
+    assert ra["gamma_search"] == rb["gamma_search"] and len(ra["gamma_search"]["trials"]) >= 5
     assert {k: ra[k] for k in ("metrics", "fairness", "reference", "removal")} == {k: rb[k] for k in ("metrics", "fairness", "reference", "removal")}
     got, want = weights(a), weights(b)
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

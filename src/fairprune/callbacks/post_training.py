@@ -44,7 +44,7 @@ class PostTrainingPruning(L.Callback):
     def __init__(self, method: str = "sparsegpt", sparsity: str = "0.5", nsamples: int = 64, seqlen: int = 128,
                  pairs: str | None = None, percdamp: float = 0.01, blocksize: int = 128, device: str = "auto",
                  seed: int = 0, gamma: float | None = 0.3, alpha: float = 0.1, axis: str = "gender_and_sex",
-                 scorer: str = "lexicon", max_new_tokens: int = 20) -> None:
+                 scorer: str = "auto", max_new_tokens: int = 20) -> None:
         choices = (*registry.names("lm"), HEAD_METHOD)
         if method not in choices:
             raise UserError(f"unknown post-training method '{method}'{suggest(method, choices)}; choose one of {', '.join(choices)}")

@@ -46,7 +46,7 @@ def run_fasp(
     gamma: float | None = 0.3,
     alpha: float = 0.1,
     axis: str | Sequence[str] = "gender_and_sex",
-    scorer: str | ToxicityScorer = "lexicon",
+    scorer: str | ToxicityScorer = "auto",
     output_dir: str | Path = "runs/fasp",
     *,
     eval_text: str | Sequence[str] | None = None,
@@ -75,8 +75,8 @@ def run_fasp(
     ``max_batch`` is the number of rows per forward when many head configurations are evaluated
     together (None: from the memory); ``batched=False`` scores one head per pass instead (the
     reference path: same scores). Under ``torchrun`` the heads are scored in shares across the
-    ranks; everything else runs whole on every rank, so every rank ends with the same model and
-    report (rank 0 alone writes the journal).
+    ranks, and so are the trials of the γ search; everything else runs whole on every rank, so every
+    rank ends with the same model and report (rank 0 alone writes the journal).
     """
     if max_batch is not None and max_batch < 1:
         raise UserError(f"max_batch must be at least 1 row per forward pass, got {max_batch}")
@@ -119,11 +119,11 @@ def run_fasp(
         scores = score_heads(on_val, out / "head_scores.csv", gates, progress, batched=batched)
         seconds["scoring"] = time.perf_counter() - tick
     tick = time.perf_counter()
+    if method == "fasp" and gamma is None:  # the trials are shared out under torchrun
+        search = search_gamma(on_val, scores, alpha, axes, gammas, tolerance=tolerance, seed=seed, gates=gates,
+                              batched=batched)
+        gamma = search["gamma"]
     with distributed.local():
-        if method == "fasp" and gamma is None:
-            search = search_gamma(on_val, scores, alpha, axes, gammas, tolerance=tolerance, seed=seed, gates=gates,
-                                  batched=batched)
-            gamma = search["gamma"]
         selection = select_heads(method, alpha, scores=scores, model=model, axes=axes, gamma=gamma or 0.0,
                                  ppl_ids=on_val.ppl_ids, seqlen=seqlen, batch_size=ppl_batch_size, seed=seed)
     seconds["selection"] = time.perf_counter() - tick

@@ -146,24 +146,40 @@ def score_heads(evaluate: Evaluator, path: str | Path, gates: HeadGates | None =
     reuse: dict = {}
     with gates, (path.open("a", newline="") if rank == 0 else nullcontext()) as handle:
         for chunk in rounds:
-            mine = chunk[rank::size]
-            with distributed.local():  # this rank's heads, alone
-                if many:
-                    results = many(_configs(mine, gates.values), reuse) if mine else []
-                else:
-                    results = [_one(evaluate, gates, head) for head in mine]
-            values = torch.zeros(len(chunk), 1 + len(axes), dtype=torch.float64)
-            for index, result in zip(range(rank, len(chunk), size), results):
-                values[index] = torch.tensor([result["perplexity"], *(result["bias"][a] for a in axes)], dtype=torch.float64)
-            distributed.all_reduce_sum(values)  # the other ranks' rows are zeros here: the sum is the union
+            if many:
+                results = across_ranks(chunk, lambda mine: many(_configs(mine, gates.values), reuse), axes)
+            else:
+                results = across_ranks(chunk, lambda mine: [_one(evaluate, gates, head) for head in mine], axes)
             if handle is not None:
                 writer = csv.writer(handle)
-                for (layer, head), row in zip(chunk, values.tolist()):
-                    writer.writerow([layer, head, *(repr(v) for v in row)])
+                for (layer, head), result in zip(chunk, results):
+                    writer.writerow([layer, head, *(repr(v) for v in _values(result, axes))])
                 handle.flush()
             bar.update(len(chunk))
     bar.close()
     return _share_scores(path, every, columns, rank, size)
+
+
+def _values(result: dict, axes: Sequence[str]) -> list[float]:
+    return [result["perplexity"], *(result["bias"][a] for a in axes)]
+
+
+def across_ranks(items: list, compute, axes: Sequence[str]) -> list[dict]:
+    """``compute(items)`` (evaluations: ``{"perplexity", "bias": {axis: value}}`` per item), shared out
+    under ``torchrun``: rank r computes ``items[r::world]`` alone and every rank gets every item's
+    result (float64 all-reduce: the values arrive unchanged). One process computes everything."""
+    rank, size = distributed.world()
+    if size == 1:
+        with distributed.local():
+            return compute(items) if items else []
+    mine = items[rank::size]
+    with distributed.local():  # this rank's items, alone
+        results = compute(mine) if mine else []
+    values = torch.zeros(len(items), 1 + len(axes), dtype=torch.float64)
+    for index, result in zip(range(rank, len(items), size), results):
+        values[index] = torch.tensor(_values(result, axes), dtype=torch.float64)
+    distributed.all_reduce_sum(values)  # the other ranks' rows are zeros here: the sum is the union
+    return [{"perplexity": row[0], "bias": dict(zip(axes, row[1:]))} for row in values.tolist()]
 
 
 def _one(evaluate, gates: HeadGates, head: Head) -> dict:

@@ -10,9 +10,10 @@ import pandas as pd
 import torch
 from torch import nn
 
+from fairprune import distributed
 from fairprune.errors import UserError
 from fairprune.pruning import registry
-from fairprune.pruning.fasp.scoring import Evaluator, _bias, _heads_only
+from fairprune.pruning.fasp.scoring import Evaluator, _bias, _heads_only, across_ranks
 from fairprune.pruning.heads import Head, HeadGates, head_weight_norms
 from fairprune.pruning.select import lowest_k
 
@@ -129,29 +130,35 @@ def search_gamma(evaluate: Evaluator, scores: pd.DataFrame, alpha: float, axes: 
     measured. γ* has the lowest bias (summed over ``axes``) among the γ whose perplexity is at most
     ``(1 + tolerance) ×`` the best baseline's; if none qualifies, the γ with the lowest perplexity.
     Batched (the default, when ``evaluate`` has ``many``), the trials share forward passes; the
-    measurements are those of one trial at a time.
+    measurements are those of one trial at a time. Under ``torchrun`` every rank must call: each
+    measures its share of the trials and every rank returns the same result.
     """
     gates = gates or HeadGates(evaluate.model)
     n = gates.values.numel()
     planned = []
     for method in baselines:
-        chosen = select_heads(method, alpha, scores=scores, model=evaluate.model, ppl_ids=evaluate.ppl_ids,
-                              seqlen=evaluate.seqlen, batch_size=evaluate.ppl_batch_size, seed=seed)
+        with distributed.local():  # every rank plans the same trials
+            chosen = select_heads(method, alpha, scores=scores, model=evaluate.model, ppl_ids=evaluate.ppl_ids,
+                                  seqlen=evaluate.seqlen, batch_size=evaluate.ppl_batch_size, seed=seed)
         planned.append((method, None, chosen.removed))
     for gamma in gammas:
         if math.floor(alpha * n + 1e-9) > n - math.floor(gamma * n + 1e-9):
             continue
         planned.append(("fasp", gamma, select_fasp(scores, gamma, alpha, axes).removed))
     many = getattr(evaluate, "many", None) if batched else None
-    with gates:
-        if many and planned:
-            configs = torch.ones(len(planned), *gates.values.shape)
-            for row, (_, _, removed) in enumerate(planned):
-                for layer, head in removed:
-                    configs[row, layer, head] = 0.0
-            results = many(configs)
-        else:
-            results = [_measure(evaluate, gates, removed) for _, _, removed in planned]
+    axes_all = sorted(evaluate.prompts.axis.unique())
+
+    def compute(trials: list) -> list[dict]:
+        with gates:
+            if many:
+                configs = torch.ones(len(trials), *gates.values.shape)
+                for row, (_, _, removed) in enumerate(trials):
+                    for layer, head in removed:
+                        configs[row, layer, head] = 0.0
+                return many(configs)
+            return [_measure(evaluate, gates, removed) for _, _, removed in trials]
+
+    results = across_ranks(planned, compute, axes_all)  # under torchrun each rank measures its share of the trials
     trials = [{"method": method, "gamma": gamma, **_summary(result, removed, axes)}
               for (method, gamma, removed), result in zip(planned, results)]
     fasp = [t for t in trials if t["method"] == "fasp"]
