@@ -323,6 +323,50 @@ def test_a_resumed_pruning_run_keeps_metrics_shares_and_seconds(dense_ckpt, tmp_
     assert len(report["steps"]) == 3
 
 
+def test_a_compare_run_again_reuses_finished_cells_and_resumes_the_cut_one(dense_ckpt, tmp_path, monkeypatch, capsys):
+    """A compare killed in its second cell: run again with the same settings it keeps the finished
+    cell (its files untouched), resumes the cut one from its last checkpoint and writes the whole
+    table; with other settings every cell runs again from the start."""
+    from fairprune.workflows.vision import compare_vision
+
+    pruning = {"keep_per_iter": 0.5, "bn_recalibration": 2}  # 80 %: 3 steps, epochs 0-2
+    original = IterativePruning.on_train_epoch_start
+
+    def killed(self, trainer, pl_module):
+        if self.method == "fairgrape" and trainer.current_epoch == 2:
+            raise RuntimeError("killed")
+        original(self, trainer, pl_module)
+
+    monkeypatch.setattr(IterativePruning, "on_train_epoch_start", killed)
+    with pytest.raises(RuntimeError, match="killed"):
+        compare_vision(str(dense_ckpt), ["magnitude", "fairgrape"], [0.8], pruning, str(tmp_path), FAST)
+    monkeypatch.setattr(IterativePruning, "on_train_epoch_start", original)
+    finished, cut = tmp_path / "magnitude_s0.8", tmp_path / "fairgrape_s0.8"
+    assert json.loads((finished / "report.json").read_text())["split"] == "test"
+    assert not (cut / "report.json").exists() and (cut / "checkpoints" / "last.ckpt").is_file()
+    assert not (tmp_path / "comparison.csv").exists()
+    kept = {f: f.stat().st_mtime_ns for f in finished.rglob("*") if f.is_file()}
+    capsys.readouterr()
+
+    table = compare_vision(str(dense_ckpt), ["magnitude", "fairgrape"], [0.8], pruning, str(tmp_path), FAST)
+    printed = capsys.readouterr().out
+    assert "finished earlier with the same settings, reusing" in printed and "resuming from" in printed
+    assert {f: f.stat().st_mtime_ns for f in finished.rglob("*") if f.is_file()} == kept
+    resumed = json.loads((cut / "report.json").read_text())
+    assert resumed["split"] == "test" and resumed["resumed"]["from_epoch"] == 2 and len(resumed["steps"]) == 3
+    assert sorted(pd.read_csv(cut / "group_shares.csv")["step"].unique()) == [1, 2, 3]
+    assert list(table["method"]) == ["dense", "magnitude", "fairgrape"]
+    magnitude = json.loads((finished / "report.json").read_text())
+    assert table.set_index("method").loc["magnitude", "accuracy"] == pytest.approx(magnitude["metrics"]["accuracy"])
+    assert (tmp_path / "group_shares.png").is_file() and (tmp_path / "report.html").is_file()
+
+    compare_vision(str(dense_ckpt), ["magnitude", "fairgrape"], [0.8], {**pruning, "bn_recalibration": 3}, str(tmp_path), FAST)
+    printed = capsys.readouterr().out
+    assert "reusing" not in printed and "resuming" not in printed
+    assert json.loads((cut / "report.json").read_text())["bn_recalibration"]["batches"] == 3
+    assert "resumed" not in json.loads((cut / "report.json").read_text())
+
+
 def test_train_py_resumed_with_ckpt_path_keeps_its_metrics(tmp_path):
     args = ["--config", str(ROOT / "configs" / "vision" / "demo.yaml"), "--trainer.limit_train_batches", "2",
             "--trainer.limit_val_batches", "2", "--trainer.accelerator", "cpu", "--trainer.logger.init_args.save_dir",

@@ -9,6 +9,7 @@ between steps with a real Trainer, test, and write the usual run folder.
 from __future__ import annotations
 
 import inspect
+import json
 import pickle
 import time
 import zipfile
@@ -129,9 +130,7 @@ def _prune(ckpt: str, pruning: dict[str, Any], output: str, name: str | None, tr
     run = Path(output) / name
     model, datamodule = load_trained(ckpt, data)
     run.mkdir(parents=True, exist_ok=True)
-    config = {"ckpt": str(ckpt), "pruning": pruning, "trainer": trainer or {}, "data": data or {}, "seed": seed,
-              "output": str(output), "name": name}
-    write_text(run / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+    write_text(run / "config.yaml", yaml.safe_dump(_run_config(ckpt, pruning, output, name, trainer, data, seed), sort_keys=False))
     settings = {"accelerator": "auto", "devices": 1, "log_every_n_steps": 10, **(trainer or {})}
     settings.setdefault("max_epochs", callback.last_epoch_needed)
     writer = ReportWriter()
@@ -145,6 +144,40 @@ def _prune(ckpt: str, pruning: dict[str, Any], output: str, name: str | None, tr
     fit.fit(model, datamodule=datamodule, ckpt_path=resume, weights_only=False)  # our own run's checkpoint
     fit.test(model, datamodule=datamodule, verbose=False)
     return writer.reports.get("test", {}), callback
+
+
+def _run_config(ckpt: str, pruning: dict[str, Any], output: str, name: str, trainer: TrainerOptions | None,
+                data: DataOptions | None, seed: int) -> dict[str, Any]:
+    """What a pruning run's ``config.yaml`` holds: everything its result depends on."""
+    return {"ckpt": str(ckpt), "pruning": pruning, "trainer": trainer or {}, "data": data or {}, "seed": seed,
+            "output": str(output), "name": name}
+
+
+def _same_config(run: Path, config: dict[str, Any]) -> bool:
+    try:
+        return yaml.safe_load((run / "config.yaml").read_text()) == yaml.safe_load(yaml.safe_dump(config, sort_keys=False))
+    except (OSError, yaml.YAMLError):
+        return False
+
+
+def _earlier_cell(run: Path, config: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """What an earlier compare left in a cell's folder under the same settings: its test report
+    (the cell finished: reuse it), else its last checkpoint (interrupted: resume from it), else
+    nothing. A folder from other settings is run again from the start."""
+    if not _same_config(run, config):
+        return None, None
+    try:
+        report = json.loads((run / "report.json").read_text())
+    except (OSError, ValueError):
+        report = None
+    if isinstance(report, dict) and report.get("split") == "test":
+        return report, None
+    last = run / "checkpoints" / "last.ckpt"
+    try:
+        torch.load(last, map_location="cpu", weights_only=False)  # a checkpoint cut by a kill is not resumed
+    except Exception:  # noqa: BLE001 - unreadable for any reason: start the cell again
+        return None, None
+    return None, str(last)
 
 
 def _row(report: dict[str, Any], method: str, target: float | None) -> dict[str, Any]:
@@ -226,6 +259,11 @@ def compare_vision(
     n over the seeds, the plots error bars. ``dense_per_seed`` trains the dense model afresh per
     seed (``<output>/seed<s>/dense``, the checkpoint's settings and epochs) instead of pruning the
     one checkpoint every time.
+
+    Run again on the same ``output`` (after a kill, or to add methods or seeds), a cell whose
+    folder holds a finished run (``report.json`` of the test split) under the same settings
+    (``config.yaml``) is reused as it is, and one cut short resumes from its last checkpoint; a
+    cell whose settings changed runs again from the start.
     """
     if not methods or not sparsities:
         raise UserError("compare needs at least one method and one sparsity")
@@ -253,13 +291,22 @@ def compare_vision(
                 if repeated:
                     settings["seed"] = s
                 done = sum(len(r) for r in reports.values())
-                print(f"[compare] {name}{f' seed {s}' if repeated else ''} ({done + 1}/{cells}) ...", flush=True)
-                report, callback = _prune(str(source), settings, str(base), name, trainer, data, seed=s)
-                recalibration = callback.bn_recalibration
+                label = f"[compare] {name}{f' seed {s}' if repeated else ''} ({done + 1}/{cells})"
+                report, resume = _earlier_cell(base / name, _run_config(str(source), settings, str(base), name, trainer, data, s))
+                if report is not None:
+                    print(f"{label}: finished earlier with the same settings, reusing {base / name}", flush=True)
+                    recalibration = IterativePruning(**settings).bn_recalibration
+                    shares_file = base / name / "group_shares.csv"
+                    share_rows = pd.read_csv(shares_file) if shares_file.is_file() else pd.DataFrame()
+                else:
+                    print(f"{label}{f': resuming from {resume}' if resume else ''} ...", flush=True)
+                    report, callback = _prune(str(source), settings, str(base), name, trainer, data, resume=resume, seed=s)
+                    recalibration = callback.bn_recalibration
+                    share_rows = pd.DataFrame(callback.share_rows())
                 reports.setdefault(name, []).append(report)
                 runs[f"seed{s}/{name}" if repeated else name] = str(base / name)
-                if callback.share_rows():
-                    shares.setdefault(name, []).append(pd.DataFrame(callback.share_rows()).assign(seed=s))
+                if len(share_rows):
+                    shares.setdefault(name, []).append(share_rows.assign(seed=s))
                 if dense_row is None and "reference" in report:
                     dense_row = _row(report["reference"], "dense", 0.0)
                     rows.append({**dense_row, "seed": s} if repeated else dense_row)
