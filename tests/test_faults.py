@@ -366,6 +366,17 @@ def test_a_compare_run_again_reuses_finished_cells_and_resumes_the_cut_one(dense
     assert json.loads((cut / "report.json").read_text())["bn_recalibration"]["batches"] == 3
     assert "resumed" not in json.loads((cut / "report.json").read_text())
 
+    # The same path, other bytes (a dense model trained again): nothing is reused.
+    moved = tmp_path / "dense.ckpt"
+    state = torch.load(dense_ckpt, map_location="cpu", weights_only=False)
+    torch.save(state, moved)
+    compare_vision(str(moved), ["magnitude"], [0.8], pruning, str(tmp_path / "again"), FAST)
+    state["state_dict"] = {k: v + 0.01 if v.is_floating_point() else v for k, v in state["state_dict"].items()}
+    torch.save(state, moved)
+    capsys.readouterr()
+    compare_vision(str(moved), ["magnitude"], [0.8], pruning, str(tmp_path / "again"), FAST)
+    assert "reusing" not in capsys.readouterr().out
+
 
 def test_train_py_resumed_with_ckpt_path_keeps_its_metrics(tmp_path):
     args = ["--config", str(ROOT / "configs" / "vision" / "demo.yaml"), "--trainer.limit_train_batches", "2",

@@ -8,6 +8,7 @@ between steps with a real Trainer, test, and write the usual run folder.
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import json
 import pickle
@@ -148,9 +149,29 @@ def _prune(ckpt: str, pruning: dict[str, Any], output: str, name: str | None, tr
 
 def _run_config(ckpt: str, pruning: dict[str, Any], output: str, name: str, trainer: TrainerOptions | None,
                 data: DataOptions | None, seed: int) -> dict[str, Any]:
-    """What a pruning run's ``config.yaml`` holds: everything its result depends on."""
-    return {"ckpt": str(ckpt), "pruning": pruning, "trainer": trainer or {}, "data": data or {}, "seed": seed,
-            "output": str(output), "name": name}
+    """What a pruning run's ``config.yaml`` holds: everything its result depends on (the checkpoint
+    by path and content: a dense model trained again under the same path is another start)."""
+    return {"ckpt": str(ckpt), "ckpt_sha256": _file_sha256(ckpt), "pruning": pruning, "trainer": trainer or {},
+            "data": data or {}, "seed": seed, "output": str(output), "name": name}
+
+
+_DIGESTS: dict[tuple[str, int, int], str] = {}
+
+
+def _file_sha256(path: str | Path) -> str:
+    """SHA-256 of a file's bytes, remembered per (path, size, modification time)."""
+    try:
+        stat = Path(path).stat()
+    except OSError:
+        return ""
+    key = (str(path), stat.st_size, stat.st_mtime_ns)
+    if key not in _DIGESTS:
+        digest = hashlib.sha256()
+        with open(path, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        _DIGESTS[key] = digest.hexdigest()
+    return _DIGESTS[key]
 
 
 def _same_config(run: Path, config: dict[str, Any]) -> bool:
