@@ -33,8 +33,7 @@ PAPER_DENSE := runs/paper/dense/checkpoints/last.ckpt
 paper-schedule: $(STAMP) $(PAPER_DENSE)
 	$(PY) prune.py compare --config configs/compare/paper_schedule.yaml --threads 1
 
-$(PAPER_DENSE):
-	$(MAKE) install
+$(PAPER_DENSE): | $(STAMP)
 	$(PY) train.py fit --config configs/vision/paper_small.yaml --threads 1
 
 test: $(STAMP)
