@@ -24,6 +24,7 @@ import torch
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities import rank_zero_only
 
 from fairprune import distributed
 from fairprune.callbacks.guards import FiniteCheck
@@ -131,6 +132,11 @@ def _prune(ckpt: str, pruning: dict[str, Any], output: str, name: str | None, tr
     run = Path(output) / name
     model, datamodule = load_trained(ckpt, data)
     run.mkdir(parents=True, exist_ok=True)
+    if resume is None and rank_zero_only.rank == 0:
+        # A fresh start: an earlier run's result and checkpoint go before the new settings are
+        # written, so no process (a DDP rank starting later) can take them for this run's.
+        for stale in (run / "report.json", run / "checkpoints" / "last.ckpt"):
+            stale.unlink(missing_ok=True)
     write_text(run / "config.yaml", yaml.safe_dump(_run_config(ckpt, pruning, output, name, trainer, data, seed), sort_keys=False))
     settings = {"accelerator": "auto", "devices": 1, "log_every_n_steps": 10, **(trainer or {})}
     settings.setdefault("max_epochs", callback.last_epoch_needed)
