@@ -48,10 +48,33 @@ from fairprune.pruning.fasp import Evaluator, Generation, score_heads, token_ids
 from fairprune.pruning.heads import HeadGates
 
 
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed(fn):
+    sync()
     wall, cpu = time.perf_counter(), time.process_time()
     result = fn()
+    sync()
     return result, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def compare_scores(one: Path, many: Path, device: str) -> dict:
+    """Byte equality of the two ``head_scores.csv`` (asserted on a CPU, where rows do not depend on
+    the batch shape) and, for a GPU, how far apart they are: the largest relative perplexity
+    difference and the heads whose bias differs (a near-tie that a different kernel flipped)."""
+    import pandas as pd
+
+    identical = one.read_text() == many.read_text()
+    a, b = pd.read_csv(one), pd.read_csv(many)
+    rel = float(((a.perplexity - b.perplexity).abs() / a.perplexity).max())
+    bias = [c for c in a.columns if c.startswith("bias:")]
+    differ = int((a[bias] != b[bias]).any(axis=1).sum())
+    if device == "cpu":
+        assert identical, "the batched path's head_scores.csv differs from the one-at-a-time path's"
+    return {"identical": identical, "max_rel_perplexity_diff": rel, "heads_with_other_bias": differ}
 
 
 def evaluator(model, tokenizer, prompts, ppl_ids, args) -> Evaluator:
@@ -111,8 +134,7 @@ def tiny(args, corpus, prompts, name: str) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         one, one_wall, one_cpu = timed(lambda: score_heads(evaluate, Path(tmp) / "one.csv", progress=False, batched=False))
         many, many_wall, many_cpu = timed(lambda: score_heads(evaluate, Path(tmp) / "many.csv", progress=False))
-        identical = (Path(tmp) / "one.csv").read_text() == (Path(tmp) / "many.csv").read_text()
-    assert identical, "the batched path's head_scores.csv differs from the one-at-a-time path's"
+        same = compare_scores(Path(tmp) / "one.csv", Path(tmp) / "many.csv", args.device)
     _, old_wall, old_cpu = timed(lambda: previous_release(evaluate))
     return {"shape": f"GPT-2 {shape['n_layer']} layers × {shape['n_head']} heads, width {shape['n_embd']}, "
                      f"vocab {len(tokenizer)}", "evaluations": len(one),
@@ -120,7 +142,7 @@ def tiny(args, corpus, prompts, name: str) -> dict:
             "one_at_a_time": {"wall_s": one_wall, "cpu_s": one_cpu},
             "batched": {"wall_s": many_wall, "cpu_s": many_cpu}, "speedup_wall": one_wall / many_wall,
             "speedup_cpu": one_cpu / many_cpu, "speedup_cpu_vs_previous_release": old_cpu / many_cpu,
-            "identical_head_scores": identical}
+            "identical_head_scores": same["identical"], "score_differences": same}
 
 
 def smol_tokenizer(corpus):
@@ -160,8 +182,8 @@ def smol(args, corpus, prompts) -> dict:
         return out
 
     ones, one_wall, one_cpu = timed(one_at_a_time)
-    for head, result in zip(single, ones):
-        assert result == many[heads.index(head)], f"head {head}: {result} != {many[heads.index(head)]}"
+    same = all(result == many[heads.index(head)] for head, result in zip(single, ones))
+    assert same or args.device != "cpu", "a head's row differs between the batched and one-at-a-time paths"
     per_head_many, per_head_one = many_wall / len(heads), one_wall / len(single)
     return {"shape": "Llama 30 layers × 9 heads (3 key/value), hidden 576, intermediate 1536, vocab 49152",
             "tokenizer": which, "ppl_tokens": int(ppl_ids.numel()), "batched_heads": [list(h) for h in heads],
@@ -173,13 +195,13 @@ def smol(args, corpus, prompts) -> dict:
             "speedup_wall": per_head_one / per_head_many,
             "speedup_cpu": (one_cpu / len(single)) / (many_cpu / len(heads)),
             "extrapolated_271_evaluations_s": {"batched": 271 * per_head_many, "one_at_a_time": 271 * per_head_one},
-            "same_rows": True}
+            "same_rows": same}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (the GPU when there is one)")
     parser.add_argument("--new-tokens", type=int, default=20)
     parser.add_argument("--ppl-tokens", type=int, default=2048)
     parser.add_argument("--seqlen", type=int, default=128)
@@ -194,6 +216,8 @@ def main() -> None:
     if args.markdown_only:
         write_markdown(json.loads(Path(args.out).with_suffix(".json").read_text()), Path(args.out))
         return
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     torch.set_num_threads(args.threads)
     corpus = lm_corpus()
     prompts, _ = split_prompts(holistic_prompts(), 0.2, seed=0, stratify="bucket")  # run_fasp's validation prompts
@@ -211,6 +235,14 @@ def main() -> None:
     print(json.dumps(result, indent=1))
 
 
+def _identical(t: dict) -> str:
+    if t["identical_head_scores"] or "score_differences" not in t:
+        return str(t["identical_head_scores"])
+    d = t["score_differences"]
+    return (f"False (perplexity within {d['max_rel_perplexity_diff']:.1e} relative; "
+            f"{d['heads_with_other_bias']} rows with another bias)")
+
+
 def write_markdown(result: dict, out: Path) -> None:
     lines = [f"# FASP head scoring ({result['device']}, {result['threads']} thread(s))", "",
              f"{result['prompts']} validation prompts × {result['new_tokens']} new tokens; "
@@ -219,13 +251,19 @@ def write_markdown(result: dict, out: Path) -> None:
              "(wall time includes waiting for the cores).", "",
              "## Every head of a tiny GPT-2, in one process", "",
              "| model | evaluations | previous release (HF generate) wall / CPU s | one at a time wall / CPU s "
-             "| batched wall / CPU s | speed-up (CPU) vs one at a time | vs previous release | identical scores |",
+             "| batched wall / CPU s | speed-up vs one at a time, wall / CPU | vs previous release (CPU) | identical scores |",
              "|---|---|---|---|---|---|---|---|"]
     for name, t in result["tiny"].items():
         lines.append(f"| {name}: {t['shape']} | {t['evaluations']} | {t['previous_release']['wall_s']:.1f} / "
                      f"{t['previous_release']['cpu_s']:.1f} | {t['one_at_a_time']['wall_s']:.1f} / {t['one_at_a_time']['cpu_s']:.1f} "
-                     f"| {t['batched']['wall_s']:.1f} / {t['batched']['cpu_s']:.1f} | {t['speedup_cpu']:.1f}× "
-                     f"| {t['speedup_cpu_vs_previous_release']:.1f}× | {t['identical_head_scores']} |")
+                     f"| {t['batched']['wall_s']:.1f} / {t['batched']['cpu_s']:.1f} | {t['speedup_wall']:.1f}× / {t['speedup_cpu']:.1f}× "
+                     f"| {t['speedup_cpu_vs_previous_release']:.1f}× | {_identical(t)} |")
+    bundled = result["tiny"]["bundled"]
+    # On a CPU the wall clock includes waiting for a shared machine's cores; on a GPU CPU time means little.
+    speedup = bundled["speedup_cpu"] if result["device"] == "cpu" else bundled["speedup_wall"]
+    lines += ["", f"Every head of the bundled model, batched against one at a time: {speedup:.1f}× "
+                  f"({'CPU' if result['device'] == 'cpu' else 'wall'} time); the target of 10× is "
+                  f"{'met' if speedup >= 10 else 'not met'} on this device."]
     if "smollm2_shape" in result:
         s = result["smollm2_shape"]
         layers = sorted({h[0] for h in s["batched_heads"]})
