@@ -258,3 +258,60 @@ def test_check_pattern_fits_names_the_layer():
         check_pattern_fits(model, "2:3")
     with pytest.raises(UserError, match="M=6 does not divide"):  # the library entry point checks the same way
         prune_causal_lm(model, "magnitude", nm=(3, 6), progress=False)
+
+
+# --------------------------------------------------------------------------------------------
+# Devices
+
+
+def test_resolve_device_refuses_a_gpu_that_is_not_there(monkeypatch):
+    import torch
+
+    from fairprune.hub import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    with pytest.raises(UserError, match="unknown device 'gpu0'"):
+        resolve_device("gpu0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert resolve_device("auto") == torch.device("cpu")
+    with pytest.raises(UserError, match=r"--device cuda: torch sees no GPU here .*use --device cpu or auto"):
+        resolve_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert resolve_device("cuda:1") == torch.device("cuda:1")
+    with pytest.raises(UserError, match=r"--device cuda:2: this machine has 2 GPU\(s\), cuda:0 to cuda:1"):
+        resolve_device("cuda:2")
+
+
+@pytest.mark.parametrize("command", [["fasp", "--scorer", "lexicon"], ["wanda", "--sparsity", "0.5"]])
+def test_cuda_without_a_gpu_is_one_line(command, tmp_path, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without a GPU
+    folder = tmp_path / "model"
+    BUILDERS["gpt2"]().save_pretrained(folder)
+    err = one_line_error(capsys, prune_main([*command, "--model", str(folder), "--output", str(tmp_path / "o"),
+                                             "--device", "cuda"]))
+    assert "torch sees no GPU" in err and "--device cpu" in err
+
+
+def test_gpu_accelerator_without_a_gpu_is_one_line(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    err = one_line_error(capsys, train_main([
+        "fit", "--config", str(ROOT / "configs/vision/demo.yaml"), "--trainer.accelerator", "gpu",
+        "--trainer.fast_dev_run", "1", "--trainer.default_root_dir", str(tmp_path)]))
+    assert "trainer settings:" in err and "--trainer.accelerator cpu or auto" in err
+
+
+def test_other_lightning_misconfigurations_keep_their_traceback():
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+
+    from fairprune.cli.guard import user_error_in
+
+    try:
+        raise MisconfigurationException("`training_step` must be implemented")
+    except MisconfigurationException as err:
+        assert user_error_in(err) is None

@@ -39,9 +39,16 @@ def resolve_device(device: str):
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        return torch.device(device)
+        chosen = torch.device(device)
     except RuntimeError as err:
         raise UserError(f"unknown device '{device}'; give auto, cpu, cuda or cuda:N") from err
+    if chosen.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise UserError(f"--device {device}: torch sees no GPU here (torch {torch.__version__}); use --device cpu or auto")
+        if chosen.index is not None and chosen.index >= count:
+            raise UserError(f"--device {device}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
+    return chosen
 
 
 def check_local_path(name_or_path: str) -> None:
