@@ -287,9 +287,14 @@ def test_resolve_device_refuses_a_gpu_that_is_not_there(monkeypatch):
 def test_cuda_without_a_gpu_is_one_line(command, tmp_path, capsys, monkeypatch):
     import torch
 
+    import fairprune.workflows.heads as heads
+    import fairprune.workflows.lm as lm
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without a GPU
     folder = tmp_path / "model"
     BUILDERS["gpt2"]().save_pretrained(folder)
+    for workflow in (heads, lm):  # refused before the model is read
+        monkeypatch.setattr(workflow, "load_model", explode("loading the model"))
     err = one_line_error(capsys, prune_main([*command, "--model", str(folder), "--output", str(tmp_path / "o"),
                                              "--device", "cuda"]))
     assert "torch sees no GPU" in err and "--device cpu" in err

@@ -49,6 +49,11 @@ class LMOptions:
     eval_tokens: int | None = None
     dense_cache: bool = True
 
+    def __post_init__(self) -> None:
+        from fairprune.hub import resolve_device
+
+        resolve_device(self.device)  # an unknown or absent device is refused before any loading
+
     @property
     def window(self) -> int:
         """The perplexity window."""
