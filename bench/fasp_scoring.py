@@ -50,6 +50,7 @@ import transformers as tf
 
 from fairprune.data.prompts import holistic_prompts, split_prompts
 from fairprune.data.text import lm_corpus, train_bpe_tokenizer
+from fairprune.hub import resolve_device
 from fairprune.metrics.toxicity import LexiconScorer
 from fairprune.pruning.fasp import Evaluator, Generation, score_heads, token_ids
 from fairprune.pruning.heads import HeadGates
@@ -223,8 +224,7 @@ def main() -> None:
     if args.markdown_only:
         write_markdown(json.loads(Path(args.out).with_suffix(".json").read_text()), Path(args.out))
         return
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    args.device = str(resolve_device(args.device))  # auto → the GPU when there is one
     torch.set_num_threads(args.threads)
     corpus = lm_corpus()
     prompts, _ = split_prompts(holistic_prompts(), 0.2, seed=0, stratify="bucket")  # run_fasp's validation prompts
