@@ -26,8 +26,8 @@ from fairprune.cli.train import main as train_main
 from fairprune.errors import UserError
 from fairprune.pruning.fasp.scoring import head_bias_impact, read_scores, score_heads
 from fairprune.pruning.masks import Target, achieved_sparsity, apply_mask, sparsity_table
-from fairprune.reporting.atomic import replace_atomically, write_csv
-from fairprune.reporting.lock import RunLock, locked
+from fairprune.storage.atomic import replace_atomically, write_csv
+from fairprune.storage.lock import RunLock, locked
 from fairprune.workflows.vision import prune_vision
 from tiny_models import BUILDERS
 

@@ -13,7 +13,7 @@ import pytest
 from fairprune.cli.prune import main as prune_main
 from fairprune.cli.train import main as train_main
 from fairprune.errors import UserError
-from fairprune.reporting.report import check_writable
+from fairprune.storage.atomic import check_writable
 from layouts import write_fairface
 from tiny_models import BUILDERS
 

@@ -4,7 +4,7 @@
   line naming the epoch, the step and the likely cause (the learning rate), before any checkpoint
   or report of the diverged model is written; a model that is non-finite when a fit or a test
   starts (a diverged checkpoint) is refused the same way.
-- :class:`RunFolderLock` holds ``<run>/.lock`` (:mod:`fairprune.reporting.lock`) while a
+- :class:`RunFolderLock` holds ``<run>/.lock`` (:mod:`fairprune.storage.lock`) while a
   ``train.py`` run writes its folder, so a second run into the same folder refuses at once.
 
 ``train.py`` adds both to every run; ``prune.py vision`` adds :class:`FiniteCheck` to its Trainer
@@ -22,7 +22,7 @@ from torch import nn
 
 from fairprune.callbacks.report import run_dir
 from fairprune.errors import UserError
-from fairprune.reporting.lock import RunLock
+from fairprune.storage.lock import RunLock
 
 
 def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -124,7 +124,7 @@ class FiniteCheck(L.Callback):
 
 class RunFolderLock(L.Callback):
     """Hold ``<run folder>/.lock`` from a run's setup until its end (also on error), so a second
-    ``train.py`` run into the same folder refuses at once (see :mod:`fairprune.reporting.lock`)."""
+    ``train.py`` run into the same folder refuses at once (see :mod:`fairprune.storage.lock`)."""
 
     def __init__(self) -> None:
         self._lock: RunLock | None = None

@@ -21,7 +21,7 @@ from pathlib import Path
 import lightning as L
 from lightning.fabric.loggers import CSVLogger
 
-from fairprune.reporting.atomic import write_text
+from fairprune.storage.atomic import write_text
 
 METRICS_FILE = "metrics.csv"
 

@@ -316,7 +316,7 @@ class IterativePruning(L.Callback):
 
             from fairprune.callbacks.report import run_dir
 
-            from fairprune.reporting.atomic import write_csv
+            from fairprune.storage.atomic import write_csv
 
             write_csv(run_dir(trainer) / "group_shares.csv", pd.DataFrame(self.share_rows()), index=False)
 

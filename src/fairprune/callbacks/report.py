@@ -14,7 +14,7 @@ import torch
 
 from fairprune.callbacks.history import continue_metrics
 from fairprune.pruning.masks import achieved_sparsity, prunable_targets, sparsity_table
-from fairprune.reporting.atomic import write_csv
+from fairprune.storage.atomic import write_csv
 from fairprune.reporting.report import Report, group_table, markdown, write_json
 
 

@@ -126,7 +126,7 @@ def diff_compare(train_config: str, overrides: list[str] = [], target_fraction: 
     import warnings
 
     from fairprune.cli.lightning_cli import FairpruneCLI
-    from fairprune.reporting.report import check_writable
+    from fairprune.storage.atomic import check_writable
     from fairprune.workflows.diff import compare_diff_pruning
 
     check_writable(output)  # before the model is built

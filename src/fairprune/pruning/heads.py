@@ -50,13 +50,6 @@ from fairprune.families import Family, family_of, linear_weight
 Head = tuple[int, int]  # (layer, head)
 
 
-def all_heads(model: nn.Module) -> list[Head]:
-    """Every (layer, head) of the model, layer-major."""
-    family = family_of(model)
-    layers, heads = len(family.block_list(model)), family.num_heads(model.config)
-    return [(layer, head) for layer in range(layers) for head in range(heads)]
-
-
 # --------------------------------------------------------------------------------------------
 # (1) Gates
 # --------------------------------------------------------------------------------------------

@@ -69,20 +69,6 @@ def apply_mask(target: Target, keep: torch.Tensor) -> None:
     prune.custom_from_mask(target.module, "weight", combined)
 
 
-def make_permanent(model: nn.Module) -> None:
-    """Fold every mask into its weight (zeros stay zeros) and drop the reparametrisation."""
-    for module in model.modules():
-        if hasattr(module, "weight_mask"):
-            prune.remove(module, "weight")
-
-
-def attach_empty_masks(model: nn.Module, targets: list[Target]) -> None:
-    """Give every target an all-ones mask so that a checkpoint with masks loads into it."""
-    for t in targets:
-        if not hasattr(t.module, "weight_mask"):
-            prune.identity(t.module, "weight")
-
-
 def sparsity_table(targets: list[Target]) -> list[dict[str, float | int | str]]:
     """Per-layer zero counts of the effective weights: exact zeros and masked-out entries (a
     masked weight counts as pruned whatever ``weight_orig`` holds, NaN included)."""

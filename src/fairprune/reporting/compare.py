@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import pandas as pd
 
-from fairprune.reporting.atomic import write_csv, write_text
+from fairprune.storage.atomic import write_csv, write_text
 from fairprune.reporting.html import write_html
 from fairprune.reporting.plots import plot_group_accuracy
 from fairprune.reporting.report import markdown, write_json

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import pandas as pd
 
-from fairprune.reporting.atomic import write_text
+from fairprune.storage.atomic import write_text
 
 _STYLE = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 2em auto; max-width: 1100px;

@@ -10,14 +10,12 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, TypedDict
 
 import pandas as pd
 
-from fairprune.errors import UserError
-from fairprune.reporting.atomic import write_text
+from fairprune.storage.atomic import write_text
 
 class Report(TypedDict, total=False):
     """A run's ``report.json``: one shape for every method and model (see the README).
@@ -52,27 +50,6 @@ def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return None
     return value
-
-
-def check_writable(path: str | os.PathLike, option: str = "--output") -> Path:
-    """Fail at once, before any work, unless ``path`` is (or can be created as) a folder this
-    process can write to; ``option`` names it in the message. Creates nothing: it writes and
-    removes a nameless temporary file in ``path`` or in its nearest existing parent."""
-    path = Path(path)
-    try:
-        probe = path
-        while not probe.exists() and probe != probe.parent:  # '.' and '/' exist, so this ends
-            probe = probe.parent
-        if not probe.is_dir():
-            where = "is a file" if probe == path else f"cannot be created: '{probe}' is a file"
-            raise UserError(f"{option} '{path}' {where}, not a folder; pass {option} a folder to write the results to")
-        with tempfile.TemporaryFile(dir=probe):
-            pass
-    except OSError as err:
-        reason = err.strerror or type(err).__name__
-        raise UserError(f"cannot write to {option} '{path}' ({reason} in '{probe}'); pass {option} a folder "
-                        f"you can write to, or fix its permissions, before the run starts") from None
-    return path
 
 
 def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:

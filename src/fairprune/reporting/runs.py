@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 import yaml
 
-from fairprune.reporting.atomic import write_csv, write_text
+from fairprune.storage.atomic import write_csv, write_text
 from fairprune.reporting.plots import plot_axis_correlation, plot_head_heatmap
 from fairprune.reporting.report import write_json
 

@@ -14,7 +14,7 @@ from torch import nn
 from fairprune.callbacks.diff_pruning import DiffPruning, root_model
 from fairprune.pruning import diff
 from fairprune.reporting.compare import write_comparison
-from fairprune.reporting.lock import locked
+from fairprune.storage.lock import locked
 
 
 def _trainer(max_epochs: int, callbacks: list[L.Callback], **kwargs: Any) -> L.Trainer:

@@ -23,7 +23,7 @@ from fairprune.errors import UserError
 from fairprune.hub import load_model, load_tokenizer, resolve_device
 from fairprune.pruning import registry
 from fairprune.reporting.compare import write_comparison
-from fairprune.reporting.lock import locked
+from fairprune.storage.lock import locked
 from fairprune.reporting.runs import write_head_run
 from fairprune.workflows.launch import torchrun
 from fairprune.workflows.options import HeadOptions, LMOptions, RunOptions

@@ -36,7 +36,7 @@ from fairprune.metrics.language import eval_ids
 from fairprune.pruning import registry
 from fairprune.pruning.llm import check_pattern_fits, evaluation_facts, parse_sparsity, prune_and_measure, sparsity_by_layer
 from fairprune.reporting.compare import write_comparison
-from fairprune.reporting.lock import locked
+from fairprune.storage.lock import locked
 from fairprune.reporting.report import write_json
 from fairprune.reporting.runs import write_lm_run
 from fairprune.workflows.dense import DenseFigures, dense_figures

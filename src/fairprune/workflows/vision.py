@@ -34,9 +34,9 @@ from fairprune.callbacks.progress import ProgressBar
 from fairprune.callbacks.report import ReportWriter
 from fairprune.errors import UserError
 from fairprune.reporting.plots import plot_error_rate_changes, plot_group_shares
-from fairprune.reporting.atomic import write_text
+from fairprune.storage.atomic import write_text
 from fairprune.reporting.compare import write_comparison
-from fairprune.reporting.lock import locked
+from fairprune.storage.lock import locked
 from fairprune.workflows.options import DataOptions, TrainerOptions
 
 

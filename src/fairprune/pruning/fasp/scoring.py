@@ -32,7 +32,7 @@ from fairprune.metrics.toxicity import ToxicityScorer, bias_by_axis, make_scorer
 from fairprune.pruning.fasp.batched import auto_rows, perplexities
 from fairprune.pruning.fasp.sampling import Generation, generate_configurations, generate_continuations
 from fairprune.pruning.heads import Head, HeadGates
-from fairprune.reporting.atomic import write_text
+from fairprune.storage.atomic import write_text
 
 BASELINE = (-1, -1)  # the (layer, head) key of the unpruned model's row in head_scores.csv
 
@@ -197,19 +197,9 @@ def _configs(heads: list[Head], values: torch.Tensor) -> torch.Tensor:
 
 
 def _progress(show: bool, total: int):
-    if show:
-        from tqdm.auto import tqdm
+    from tqdm.auto import tqdm
 
-        return tqdm(total=total, desc="[fasp] scoring heads", leave=False)
-    return _NoBar()
-
-
-class _NoBar:
-    def update(self, n: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+    return tqdm(total=total, desc="[fasp] scoring heads", leave=False, disable=not show)
 
 
 def _agree_on_done(path: Path, columns: list[str], fingerprint: str, every: list[Head], rank: int) -> set[Head]:

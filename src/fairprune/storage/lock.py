@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from fairprune.errors import UserError
-from fairprune.reporting.report import check_writable
+from fairprune.storage.atomic import check_writable
 
 LOCK_NAME = ".lock"
 RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")

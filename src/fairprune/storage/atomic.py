@@ -5,8 +5,11 @@ an interrupted run leaves the previous version, not a truncated one."""
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, Callable
+
+from fairprune.errors import UserError
 
 
 def replace_atomically(path: str | os.PathLike, write: Callable[[Path], Any]) -> Path:
@@ -33,3 +36,24 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
 def write_csv(path: str | os.PathLike, frame, **to_csv: Any) -> Path:
     """Write a pandas frame to ``path`` atomically (``to_csv`` keywords: ``index=False``, ...)."""
     return replace_atomically(path, lambda tmp: frame.to_csv(tmp, **to_csv))
+
+
+def check_writable(path: str | os.PathLike, option: str = "--output") -> Path:
+    """Fail at once, before any work, unless ``path`` is (or can be created as) a folder this
+    process can write to; ``option`` names it in the message. Creates nothing: it writes and
+    removes a nameless temporary file in ``path`` or in its nearest existing parent."""
+    path = Path(path)
+    try:
+        probe = path
+        while not probe.exists() and probe != probe.parent:  # '.' and '/' exist, so this ends
+            probe = probe.parent
+        if not probe.is_dir():
+            where = "is a file" if probe == path else f"cannot be created: '{probe}' is a file"
+            raise UserError(f"{option} '{path}' {where}, not a folder; pass {option} a folder to write the results to")
+        with tempfile.TemporaryFile(dir=probe):
+            pass
+    except OSError as err:
+        reason = err.strerror or type(err).__name__
+        raise UserError(f"cannot write to {option} '{path}' ({reason} in '{probe}'); pass {option} a folder "
+                        f"you can write to, or fix its permissions, before the run starts") from None
+    return path
