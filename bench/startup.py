@@ -68,7 +68,7 @@ def main() -> None:
     meta = {"python": platform.python_version(), "machine": platform.machine(), "cpus": os.cpu_count(),
             "repeats": args.repeats, "date": time.strftime("%Y-%m-%d")}
     (out / "startup.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2) + "\n")
-    lines = ["# Command-line start-up (CPU seconds, lowest of %d)" % args.repeats, "",
+    lines = [f"# Command-line start-up (CPU seconds, lowest of {args.repeats:d})", "",
              "| command | CPU s | wall s | target |", "|---|---|---|---|"]
     for row in rows:
         target = f"< {row['target_cpu_s']:g} s: {'met' if row['met'] else 'missed'}" if "target_cpu_s" in row else ""

@@ -47,7 +47,7 @@ def write_fairface(root: Path, per_cell: int = 2) -> Path:
 def write_celeba(root: Path, n: int = 24) -> Path:
     """torchvision's CelebA layout: attribute and partition lists plus ``img_align_celeba/``."""
     rng = np.random.default_rng(0)
-    attrs = ["%d" % n, " ".join(CELEBA_ATTRIBUTES)]
+    attrs = [f"{n:d}", " ".join(CELEBA_ATTRIBUTES)]
     parts = []
     for i in range(n):
         name = f"{i + 1:06d}.jpg"

@@ -15,7 +15,6 @@ from fairprune.pruning.batchnorm import batchnorm_layers, recalibrate_batchnorm
 from processes import run_ranks
 
 
-
 def _model() -> nn.Module:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Dropout(0.5), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(),

@@ -130,4 +130,4 @@ def test_compare_refuses_an_nm_pattern_for_vision(tmp_path, capsys):
                          "--sparsities", '["3:2"]', "--output", str(tmp_path / "out")])
     assert status == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
-    assert last.startswith("error: ") and "fractions" in last and "3:2" in last
+    assert last.startswith("error: ") and "fraction in [0, 1)" in last and "not an N:M pattern" in last and "3:2" in last

@@ -15,6 +15,7 @@ import torch
 
 from fairprune.cli.prune import main as prune_main
 from fairprune.reporting.compare import aggregate, write_comparison
+from fairprune.reporting.records import LMRow, VisionRow
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = {"limit_train_batches": 2, "limit_val_batches": 2, "limit_test_batches": 2, "accelerator": "cpu",
@@ -91,13 +92,14 @@ def test_vision_compare_over_seeds(dense_ckpt, tmp_path, one_thread):
     assert list(table["method"]) == ["dense", "magnitude", "fairgrape"] and (table["n"] == 2).all()
     for method in ("magnitude", "fairgrape"):
         reports = [json.loads((out / f"seed{s}" / f"{method}_s0.5" / "report.json").read_text()) for s in (0, 1)]
-        accs = [r["metrics"]["accuracy"] for r in reports]
+        records = [VisionRow.from_report(r, method, 0.5, seed=s) for s, r in zip((0, 1), reports)]
+        accs = [r.accuracy for r in records]
         row = table.set_index("method").loc[method]
         assert row["accuracy_mean"] == pytest.approx(statistics.mean(accs))
         assert row["accuracy_sd"] == pytest.approx(statistics.stdev(accs), abs=1e-12)
-        group = next(iter(reports[0]["groups"]))
-        assert row[f"acc/{group}_mean"] == pytest.approx(statistics.mean(r["groups"][group]["accuracy"] for r in reports))
-        dense_accs = [r["reference"]["metrics"]["accuracy"] for r in reports]
+        group = next(iter(records[0].group_accuracy))
+        assert row[f"acc/{group}_mean"] == pytest.approx(statistics.mean(r.group_accuracy[group] for r in records))
+        dense_accs = [VisionRow.dense(r).accuracy for r in reports]
     assert table.set_index("method").loc["dense", "accuracy_mean"] == pytest.approx(statistics.mean(dense_accs))
     assert len(pd.read_csv(out / "comparison_runs.csv")) == 6  # dense, magnitude, fairgrape × 2 seeds
     assert "±" in (out / "comparison.md").read_text()
@@ -117,7 +119,11 @@ def test_one_seed_keeps_the_single_run_layout(dense_ckpt, tmp_path, one_thread):
     assert (tmp_path / "magnitude_s0.5" / "report.json").is_file() and not list(tmp_path.glob("seed*"))
     report = json.loads((tmp_path / "magnitude_s0.5" / "report.json").read_text())
     assert report["bn_recalibration"]["batches"] == 2
-    assert report["metrics"]["accuracy"] == pytest.approx(table.set_index("method").loc["magnitude", "accuracy"])
+    # The table's rows are the records of the run's report and of its dense reference, column for column.
+    for row, record in zip(table.to_dict(orient="records"), [VisionRow.dense(report), VisionRow.from_report(report, "magnitude", 0.5)]):
+        expected = record.as_dict()
+        assert list(row) == list(expected)
+        assert {k: v for k, v in row.items() if not pd.isna(v)} == pytest.approx({k: v for k, v in expected.items() if v is not None})
     assert_self_contained(tmp_path / "report.html", ["dense", "magnitude"], images=2)
 
 
@@ -140,7 +146,12 @@ def test_lm_compare_writes_a_self_contained_page(tmp_path):
     assert prune_main(["compare", "--model", str(model), "--methods", "[magnitude, wanda]", "--sparsities", '["0.5"]',
                        "--nsamples", "2", "--seqlen", "32", "--device", "cpu", "--eval_text", str(tmp_path / "eval.txt"),
                        "--pairs", str(tmp_path / "pairs.csv"), "--output", str(out)]) == 0
-    assert list(pd.read_csv(out / "comparison.csv")["method"]) == ["dense", "magnitude", "wanda"]
+    table = pd.read_csv(out / "comparison.csv")
+    assert list(table["method"]) == ["dense", "magnitude", "wanda"]
+    wanda = LMRow.from_report(json.loads(next(out.glob("wanda_*/report.json")).read_text()), "wanda", "0.5").as_dict()
+    assert list(table.columns) == list(wanda)
+    figures = [c for c in wanda if c not in ("method", "sparsity")]
+    assert table.iloc[2][figures].tolist() == pytest.approx([wanda[c] for c in figures])
     assert_self_contained(out / "report.html", ["dense", "magnitude", "wanda"], images=0)
 
 

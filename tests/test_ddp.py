@@ -217,8 +217,9 @@ def test_post_training_pruning_under_ddp(tmp_path):
                         "--data.corpus_docs", "150", "--data.seqlen", "32", "--data.batch_size", "8",
                         "--data.bpe_vocab_size", "400", "--model.init_args.config", gpt2,
                         "--trainer.max_epochs", "1", "--trainer.limit_train_batches", "3", "--trainer.limit_val_batches", "2",
-                        "--trainer.callbacks.init_args.nsamples", "4", "--trainer.callbacks.init_args.seqlen", "32",
-                        "--trainer.callbacks.init_args.device", "cpu",
+                        "--trainer.callbacks.init_args.calibration.nsamples", "4",
+                        "--trainer.callbacks.init_args.calibration.seqlen", "32",
+                        "--trainer.callbacks.init_args.calibration.device", "cpu",
                         "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"), *DDP], tmp_path / "cwd")
     run = tmp_path / "runs" / "lm" / "tiny_gpt2_sparsegpt"
     assert (run / "model" / "config.json").is_file()  # the trained model, exported when training ended

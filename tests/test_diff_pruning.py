@@ -13,12 +13,12 @@ import torch
 from torch import nn
 
 from fairprune.callbacks.diff_pruning import DiffPruning
-from fairprune.workflows.diff import compare_diff_pruning
 from fairprune.cli.train import main
 from fairprune.data.text_classification import TextClassificationDataModule, bios_records
 from fairprune.errors import UserError
 from fairprune.models.text_classifier import SequenceClassifier, tiny_bert_config
 from fairprune.pruning import diff
+from fairprune.workflows.diff import compare_diff_pruning
 
 TINY = tiny_bert_config(max_position_embeddings=128)
 
@@ -344,7 +344,7 @@ def test_csv_files_give_names_and_tuple_batches(tmp_path):
     assert ids.shape == mask.shape and ids.shape[0] == 5 and mask[:, 0].all()
     assert labels.tolist() == [1, 0, 1, 0, 1] and groups.tolist() == [0, 1, 1, 0, 0]
     with pytest.raises(UserError, match="no column 'sentence'"):
-        TextClassificationDataModule(train_file=str(tmp_path / "train.csv"), text_column="sentence").class_names
+        TextClassificationDataModule(train_file=str(tmp_path / "train.csv"), text_column="sentence").class_names  # noqa: B018 (the property raises)
     with pytest.raises(UserError, match="does not exist"):
         TextClassificationDataModule(train_file=str(tmp_path / "missing.csv"))
 

@@ -17,8 +17,16 @@ from fairprune.data.text import lm_corpus, train_bpe_tokenizer
 from fairprune.errors import UserError
 from fairprune.metrics.toxicity import ClassifierScorer, LexiconScorer, axis_bias, bias_by_axis, make_scorer
 from fairprune.pruning.fasp import (
-    Evaluator, Generation, generate_continuations, gradient_importance, score_heads, search_gamma,
-    select_fasp, select_heads, token_ids, run_fasp,
+    Evaluator,
+    Generation,
+    generate_continuations,
+    gradient_importance,
+    run_fasp,
+    score_heads,
+    search_gamma,
+    select_fasp,
+    select_heads,
+    token_ids,
 )
 from fairprune.pruning.heads import HeadGates, head_weight_norms
 from fairprune.reporting.runs import write_head_run
@@ -314,10 +322,9 @@ def test_generation_is_the_same_in_any_batch(tokenizer):
 def test_prefix_reuse_gives_the_full_forward_perplexity(model_type):
     """Every causal family: the perplexity of each configuration from the stored layer-boundary
     states equals :func:`perplexity` with those heads gated off."""
-    from tiny_models import BUILDERS, VOCAB
-
     from fairprune.metrics.language import perplexity
     from fairprune.pruning.fasp.batched import perplexities
+    from tiny_models import BUILDERS, VOCAB
 
     torch.manual_seed(0)
     model = BUILDERS[model_type]().eval()

@@ -13,9 +13,9 @@ import torch
 import torchmetrics
 
 from fairprune.errors import UserError
+from fairprune.metrics.group import GroupRates, binary_fairness, group_rates, per_group_frame
 from fairprune.metrics.group import functional as group_functional
 from fairprune.metrics.group import metric as group_metric
-from fairprune.metrics.group import GroupRates, binary_fairness, group_rates, per_group_frame
 
 NAMES = ["asian", "black", "indian", "white"]
 

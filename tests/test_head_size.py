@@ -9,10 +9,10 @@ import copy
 import pytest
 import torch
 
+import tiny_models
 from fairprune.families import family_of, linear_weight
 from fairprune.pruning.head_size import measure, removal_size, summary
 from fairprune.pruning.heads import remove_heads
-import tiny_models
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

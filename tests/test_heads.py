@@ -9,10 +9,10 @@ import copy
 import pytest
 import torch
 
+import tiny_models
 from fairprune.errors import UserError
 from fairprune.families import family_of, linear_weight
 from fairprune.pruning.heads import HeadGates, head_weight_norms, remove_heads
-import tiny_models
 from tiny_models import VOCAB
 
 # The shared tiny models, with every Llama projection biased (a bias slice missed shows) and OPT without project_in.

@@ -52,9 +52,8 @@ def test_fairface_csv_that_is_not_utf8_is_one_line(tmp_path, capsys):
 
 
 def test_celeba_attribute_file_that_is_not_utf8_is_a_user_error(tmp_path):
-    from layouts import write_celeba
-
     from fairprune.data.faces import read_celeba
+    from layouts import write_celeba
 
     root = write_celeba(tmp_path / "celeba", n=6)
     attrs = root / "list_attr_celeba.txt"
@@ -250,14 +249,15 @@ def test_nm_pattern_that_does_not_divide_the_widths_fails_before_measuring(comma
 
 def test_check_pattern_fits_names_the_layer():
     from fairprune.pruning.llm import check_pattern_fits, prune_causal_lm
+    from fairprune.pruning.sparsity import Sparsity
 
     model = BUILDERS["gpt2"]()
-    check_pattern_fits(model, "2:4")
-    check_pattern_fits(model, "0.5")
+    check_pattern_fits(model, Sparsity.parse("2:4"))
+    check_pattern_fits(model, Sparsity.parse("0.5"))
     with pytest.raises(UserError, match=r"M=3 does not divide the input width 64 of layer 0\.attn\.c_attn"):
-        check_pattern_fits(model, "2:3")
+        check_pattern_fits(model, Sparsity.parse("2:3"))
     with pytest.raises(UserError, match="M=6 does not divide"):  # the library entry point checks the same way
-        prune_causal_lm(model, "magnitude", nm=(3, 6), progress=False)
+        prune_causal_lm(model, "magnitude", Sparsity.parse("3:6"), progress=False)
 
 
 # --------------------------------------------------------------------------------------------

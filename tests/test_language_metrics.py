@@ -12,16 +12,23 @@ import torch
 import transformers as tf
 from torch import nn
 
+from fairprune.data.pairs import read_crows_pairs, read_pairs, read_stereoset
 from fairprune.data.text import (
-    calibration_ids, encode_sentence, lm_corpus, paired_ids, stereo_pairs, train_bpe_tokenizer, write_lm_corpus,
+    calibration_ids,
+    encode_sentence,
+    lm_corpus,
+    paired_ids,
+    stereo_pairs,
+    train_bpe_tokenizer,
+    write_lm_corpus,
     write_stereo_set,
 )
 from fairprune.errors import UserError
-from fairprune.data.pairs import read_crows_pairs, read_pairs, read_stereoset
 from fairprune.metrics.language import (
-    perplexity, sentence_log_likelihoods, stereotype_score,
+    perplexity,
+    sentence_log_likelihoods,
+    stereotype_score,
 )
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

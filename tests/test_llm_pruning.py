@@ -19,11 +19,13 @@ from fairprune.families import FAMILIES, family_of, linear_weight
 from fairprune.pruning.calibration import make_inputs, run_layerwise
 from fairprune.pruning.llm import prune_causal_lm, sparsity_by_layer
 from fairprune.pruning.sparsegpt import Hessian, PairedHessian, inverse_hessian_cholesky, sparsegpt_solve
+from fairprune.pruning.sparsity import Sparsity
 from fairprune.pruning.wanda import InputNorms, wanda_mask
 from tiny_models import BUILDERS, VOCAB
 
-
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+HALF = Sparsity.parse(0.5)
 
 
 def build(model_type: str, seed: int = 0):
@@ -86,7 +88,7 @@ def test_sparsegpt_matches_obs_oracle(sparsity, nm):
     X[:, 7] = 0  # a dead input column
     H = 2 / len(X) * X.T @ X
     W = torch.randn(rows, cols, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
-    got = sparsegpt_solve(W, H, sparsity, nm, blocksize=blocksize)
+    got = sparsegpt_solve(W, H, Sparsity.parse(f"{nm[0]}:{nm[1]}" if nm else sparsity), blocksize=blocksize)
     want = obs_oracle(W, H, sparsity, nm, blocksize=blocksize)
     assert torch.equal(got == 0, want == 0)
     torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-9)
@@ -100,7 +102,7 @@ def test_sparsegpt_float32_close_to_oracle_and_better_than_magnitude():
     for chunk in X.view(6, 100, cols):  # six "sequences" of 100 tokens
         acc.add_batch(chunk.unsqueeze(0))
     W = torch.randn(rows, cols, generator=torch.Generator().manual_seed(2))
-    got = sparsegpt_solve(W, acc.value(), 0.5, blocksize=32)
+    got = sparsegpt_solve(W, acc.value(), Sparsity.parse(0.5), blocksize=32)
     want = obs_oracle(W, acc.value(), 0.5, blocksize=32)
     err = lambda Q: float((X @ (W - Q.float()).T).norm() / (X @ W.T).norm())  # noqa: E731
     magnitude = W * (W.abs() > W.abs().flatten().kthvalue(rows * cols // 2).values)
@@ -112,7 +114,7 @@ def test_sparsegpt_float32_close_to_oracle_and_better_than_magnitude():
 def test_sparsegpt_exact_nm_pattern(n, m):
     W = torch.randn(16, 256, generator=torch.Generator().manual_seed(3))
     X = structured_inputs(300, 256)
-    out = sparsegpt_solve(W, 2 / 300 * X.T @ X, nm=(n, m))
+    out = sparsegpt_solve(W, 2 / 300 * X.T @ X, Sparsity.parse(f"{n}:{m}"))
     zeros_per_group = (out == 0).view(16, 256 // m, m).sum(-1)
     assert (zeros_per_group == n).all()
 
@@ -121,7 +123,7 @@ def test_sparsegpt_exact_nm_pattern(n, m):
 def test_sparsegpt_exact_unstructured_count(cols, sparsity):
     W = torch.randn(10, cols, generator=torch.Generator().manual_seed(4))
     X = structured_inputs(300, cols)
-    out = sparsegpt_solve(W, 2 / 300 * X.T @ X, sparsity)
+    out = sparsegpt_solve(W, 2 / 300 * X.T @ X, Sparsity.parse(sparsity))
     assert int((out == 0).sum()) == math.floor(sparsity * W.numel())
 
 
@@ -177,7 +179,7 @@ def test_cholesky_retries_with_more_damping_then_fails_loudly():
         with pytest.raises(UserError, match="not positive definite"):
             inverse_hessian_cholesky(-torch.eye(3))
         with pytest.raises(UserError):
-            sparsegpt_solve(torch.randn(2, 3), torch.full((3, 3), float("nan")), 0.5)
+            sparsegpt_solve(torch.randn(2, 3), torch.full((3, 3), float("nan")), Sparsity.parse(0.5))
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,13 +194,13 @@ def test_wanda_norms_and_per_row_mask():
     norms.add_batch(X[1:])
     torch.testing.assert_close(norms.value(), X.reshape(-1, 40).norm(dim=0), rtol=1e-5, atol=1e-5)
     W = torch.randn(7, 40, generator=torch.Generator().manual_seed(7))
-    mask = wanda_mask(W, norms.value(), 0.35)
+    mask = wanda_mask(W, norms.value(), Sparsity.parse(0.35))
     k = int(40 * 0.35)
     assert (mask.sum(1) == k).all()
     score = W.abs() * norms.value()
     for r in range(7):  # the pruned entries are the row's k lowest scores
         assert set(mask[r].nonzero().flatten().tolist()) == set(score[r].argsort()[:k].tolist())
-    nm = wanda_mask(W, norms.value(), nm=(2, 4))
+    nm = wanda_mask(W, norms.value(), Sparsity.parse("2:4"))
     assert (nm.view(7, 10, 4).sum(-1) == 2).all()
 
 
@@ -206,7 +208,7 @@ def test_magnitude_layerwise_threshold_and_nm():
     model = build("gpt2")
     layers = [l for b in model.transformer.h for l in family_of(model).block_linears(b).values()]
     dense = [linear_weight(l).clone() for l in layers]
-    prune_causal_lm(model, "magnitude", sparsity=0.4, progress=False)
+    prune_causal_lm(model, "magnitude", Sparsity.parse(0.4), progress=False)
     for layer, before in zip(layers, dense):
         W = linear_weight(layer)
         pruned = W == 0
@@ -215,7 +217,7 @@ def test_magnitude_layerwise_threshold_and_nm():
         assert before[pruned].abs().max() <= before[~pruned].abs().min()
         torch.testing.assert_close(W[~pruned], before[~pruned])
     model = build("llama")
-    prune_causal_lm(model, "magnitude", nm=(1, 4), progress=False)
+    prune_causal_lm(model, "magnitude", Sparsity.parse("1:4"), progress=False)
     layer = model.model.layers[1].mlp.down_proj.weight
     assert ((layer == 0).view(layer.shape[0], -1, 4).sum(-1) == 1).all()
 
@@ -311,8 +313,8 @@ def test_prune_every_family_end_to_end(model_type, method):
     model = build(model_type)
     ids = calib(4, 16)
     kwargs = {"pairs": (ids[:2], calib(2, 16, seed=1))} if method == "debias-sparsegpt" else {"calib_ids": ids}
-    nm = (2, 4) if method == "wanda" else None
-    report = prune_causal_lm(model, method, sparsity=None if nm else 0.5, nm=nm, progress=False, **kwargs)
+    sparsity = Sparsity.parse("2:4" if method == "wanda" else 0.5)
+    report = prune_causal_lm(model, method, sparsity, progress=False, **kwargs)
     family = family_of(model)
     n_layers = 2 * len(family.linears)
     assert len(report["layers"]) == n_layers
@@ -326,13 +328,13 @@ def test_prune_every_family_end_to_end(model_type, method):
 def test_debias_with_identical_sides_equals_sparsegpt():
     ids = calib(3, 16)
     plain, paired = build("llama"), build("llama")
-    prune_causal_lm(plain, "sparsegpt", 0.5, calib_ids=ids, progress=False)
-    prune_causal_lm(paired, "debias-sparsegpt", 0.5, pairs=(ids, ids), progress=False)
+    prune_causal_lm(plain, "sparsegpt", HALF, calib_ids=ids, progress=False)
+    prune_causal_lm(paired, "debias-sparsegpt", HALF, pairs=(ids, ids), progress=False)
     for a, b in zip(plain.model.layers.parameters(), paired.model.layers.parameters()):
         agree = ((a == 0) == (b == 0)).float().mean()
         assert agree > 0.99
     different = build("llama")
-    prune_causal_lm(different, "debias-sparsegpt", 0.5, pairs=(ids, calib(3, 16, seed=9)), progress=False)
+    prune_causal_lm(different, "debias-sparsegpt", HALF, pairs=(ids, calib(3, 16, seed=9)), progress=False)
     w, v = plain.model.layers[0].mlp.up_proj.weight, different.model.layers[0].mlp.up_proj.weight
     assert ((w == 0) != (v == 0)).float().mean() > 0.05
 
@@ -340,7 +342,7 @@ def test_debias_with_identical_sides_equals_sparsegpt():
 def test_save_and_reload_keeps_logits_and_zeros(tmp_path):
     model = build("gpt2")
     ids = calib(2, 16)
-    prune_causal_lm(model, "sparsegpt", nm=(2, 4), calib_ids=ids, progress=False)
+    prune_causal_lm(model, "sparsegpt", Sparsity.parse("2:4"), calib_ids=ids, progress=False)
     model.save_pretrained(tmp_path)
     loaded = tf.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
@@ -360,13 +362,14 @@ def test_save_and_reload_keeps_logits_and_zeros(tmp_path):
     [
         (dict(method="sparsegpt", sparsity=1.0), "sparsity"),
         (dict(method="sparsegpt", sparsity=-0.1), "sparsity"),
-        (dict(method="sparsegpt", nm=(4, 4)), "N < M"),
-        (dict(method="sparsegpt", nm=(3, 7)), "divide"),
-        (dict(method="sparsegpt", sparsity=0.5, nm=(2, 4)), "exactly one"),
+        (dict(method="sparsegpt", sparsity="4:4"), "N < M"),
+        (dict(method="sparsegpt", sparsity="3:7"), "divide"),
+        (dict(method="sparsegpt", sparsity=124), "sexagesimal.*quote"),
+        (dict(method="sparsegpt", sparsity="half"), "fraction in \\[0, 1\\) or an N:M"),
         (dict(method="sparsgpt", sparsity=0.5), "did you mean"),
         (dict(method="wanda", sparsity=0.5, calib_ids=None), "calibration"),
         (dict(method="debias-sparsegpt", sparsity=0.5, calib_ids=None), "paired"),
-        (dict(method="sparsegpt", sparsity=0.5, pairs=(calib(), calib())), "only by debias"),
+        (dict(method="sparsegpt", sparsity=0.5, pairs=(calib(), calib())), "used only by the paired methods"),
         (dict(method="debias-sparsegpt", sparsity=0.5, pairs=(calib(2, 8), calib(2, 9))), "align"),
         (dict(method="sparsegpt", sparsity=0.5, calib_ids=calib() + VOCAB), "vocabulary"),
         (dict(method="sparsegpt", sparsity=0.5, calib_ids=torch.randn(2, 4)), "integer"),
@@ -375,7 +378,8 @@ def test_save_and_reload_keeps_logits_and_zeros(tmp_path):
 def test_bad_inputs_raise_user_error(kwargs, match):
     kwargs.setdefault("calib_ids", calib())
     with pytest.raises(UserError, match=match) as err:
-        prune_causal_lm(build("gpt2"), progress=False, **kwargs)
+        sparsity = Sparsity.parse(kwargs.pop("sparsity"))  # where a sparsity enters: parsed once
+        prune_causal_lm(build("gpt2"), sparsity=sparsity, progress=False, **kwargs)
     assert "\n" not in str(err.value)
 
 

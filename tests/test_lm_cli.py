@@ -11,8 +11,8 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM
 
-from fairprune.cli.train import main as train_main
 from fairprune.cli.prune import main as prune_main
+from fairprune.cli.train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--data.corpus_docs", "150", "--data.seqlen", "32", "--data.batch_size", "8", "--data.bpe_vocab_size", "400",
@@ -57,8 +57,9 @@ def trained(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("lm")
     status = train_main(["fit", "--config", str(ROOT / "configs/lm/tiny_gpt2_sparsegpt.yaml"), *TINY,
                          "--model.init_args.config", GPT2, "--trainer.logger.init_args.save_dir", str(out),
-                         "--trainer.callbacks.init_args.nsamples", "4", "--trainer.callbacks.init_args.seqlen", "32",
-                         "--trainer.callbacks.init_args.device", "cpu", "--threads", "1"])
+                         "--trainer.callbacks.init_args.calibration.nsamples", "4",
+                         "--trainer.callbacks.init_args.calibration.seqlen", "32",
+                         "--trainer.callbacks.init_args.calibration.device", "cpu", "--threads", "1"])
     assert status == 0
     return out / "lm" / "tiny_gpt2_sparsegpt"
 
@@ -140,6 +141,7 @@ def test_missing_model_path_is_one_line(tmp_path, capsys):
 
 def test_fasp_command_and_head_compare(trained, tmp_path, small_eval):
     from fairprune.data.prompts import holistic_prompts
+    from fairprune.reporting.records import HeadRow
 
     prompts = holistic_prompts(["gender_and_sex"]).groupby("bucket").head(6)
     prompts.to_csv(tmp_path / "prompts.csv", index=False)
@@ -161,6 +163,14 @@ def test_fasp_command_and_head_compare(trained, tmp_path, small_eval):
     assert list(table["method"]) == ["dense", "fasp", "fasp", "performance", "performance", "random", "random"]
     assert list(table["heads_removed"]) == [0, 1, 2, 1, 2, 1, 2]
     assert "bias/gender_and_sex" in table.columns
+    # Each row is the record of a run's report (the first: of its dense reference).
+    fasp_run = json.loads((table_out / "fasp_a0.25" / "report.json").read_text())
+    for row, record in ((table.iloc[0], HeadRow.dense(fasp_run)), (table.iloc[1], HeadRow.from_report(fasp_run, "fasp", 0.25, protects=True))):
+        expected = record.as_dict()
+        assert list(table.columns) == list(expected)
+        assert row["method"] == expected["method"]
+        figures = [float("nan") if v is None else v for v in list(expected.values())[1:]]
+        assert row[1:].tolist() == pytest.approx(figures, nan_ok=True)
 
 
 def test_fasp_bad_ratio_is_one_line(trained, tmp_path, capsys):
@@ -171,8 +181,9 @@ def test_fasp_bad_ratio_is_one_line(trained, tmp_path, capsys):
 def test_fit_trains_then_prunes_heads(tmp_path):
     status = train_main(["fit", "--config", str(ROOT / "configs/lm/tiny_gpt2_fasp.yaml"), *TINY,
                          "--model.init_args.config", GPT2, "--trainer.logger.init_args.save_dir", str(tmp_path),
-                         "--trainer.callbacks.init_args.alpha", "0.25", "--trainer.callbacks.init_args.gamma", "0.25",
-                         "--trainer.callbacks.init_args.max_new_tokens", "2", "--trainer.callbacks.init_args.seqlen", "32"])
+                         "--trainer.callbacks.init_args.heads.alpha", "0.25", "--trainer.callbacks.init_args.heads.gamma", "0.25",
+                         "--trainer.callbacks.init_args.heads.max_new_tokens", "2",
+                         "--trainer.callbacks.init_args.calibration.seqlen", "32"])
     assert status == 0
     run = tmp_path / "lm" / "tiny_gpt2_fasp" / "pruned-fasp"
     report = json.loads((run / "report.json").read_text())

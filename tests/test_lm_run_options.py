@@ -13,11 +13,12 @@ import torch
 import yaml
 from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
-from fairprune.cli.prune import _bare_flags, main as prune_main
+from fairprune.cli.prune import _bare_flags
+from fairprune.cli.prune import main as prune_main
 from fairprune.data.text import lm_corpus, stereo_pairs, train_bpe_tokenizer
 from fairprune.metrics.language import eval_ids, perplexity
 from fairprune.workflows.dense import weights_digest
-from fairprune.workflows.options import RunOptions
+from fairprune.workflows.options import MachineOptions
 
 FAST = ["--seqlen", "32", "--nsamples", "4", "--device", "cpu"]
 
@@ -183,17 +184,17 @@ def test_threads_timings_and_dense_zeros_are_reported(lm, tmp_path):
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "out").transformer.h[0].mlp.c_fc.weight[:4].abs().sum() == 0
 
 
-def test_run_options_set_the_thread_count():
+def test_machine_options_set_the_thread_count():
     before = torch.get_num_threads()
     try:
-        RunOptions(threads=2).apply()
+        MachineOptions(threads=2).apply()
         assert torch.get_num_threads() == 2
-        RunOptions(threads=None).apply()  # torch's own choice: left as it is
+        MachineOptions(threads=None).apply()  # torch's own choice: left as it is
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
     with pytest.raises(Exception, match="--threads"):
-        RunOptions(threads=0).apply()
+        MachineOptions(threads=0).apply()
 
 
 def test_quiet_silences_every_progress_bar(lm, tmp_path, capsys, monkeypatch):

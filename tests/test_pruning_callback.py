@@ -12,9 +12,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from fairprune.callbacks.pruning import IterativePruning, density_schedule
-from fairprune.pruning import registry
-from fairprune.errors import UserError
 from fairprune.cli.prune import main as prune_main
+from fairprune.errors import UserError
+from fairprune.pruning import registry
 from fairprune.pruning.fairgrape import layer_quota
 from fairprune.pruning.masks import Target, apply_mask, prunable_targets
 from fairprune.workflows.vision import load_trained, prune_vision

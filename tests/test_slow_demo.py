@@ -8,8 +8,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from fairprune.cli.train import main as train_main
 from fairprune.cli.prune import main as prune_main
+from fairprune.cli.train import main as train_main
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -31,8 +31,9 @@ TIMEOUT = 300  # seconds per command: far above the ~15 s it takes, bounded if a
 def tiny_lm(tmp_path_factory) -> dict:
     """A 2-layer GPT-2 (width 64) trained for 200 steps on the bundled corpus, with its tokenizer,
     and small evaluation files (text and CrowS-Pairs CSV)."""
-    from fairprune.data.text import join_documents, lm_corpus, stereo_pairs, train_bpe_tokenizer
     from transformers import GPT2Config, GPT2LMHeadModel
+
+    from fairprune.data.text import join_documents, lm_corpus, stereo_pairs, train_bpe_tokenizer
 
     folder = tmp_path_factory.mktemp("torchrun-lm")
     corpus = lm_corpus(train_docs=150, validation_docs=12, seed=3)
@@ -153,11 +154,11 @@ def test_evaluate_under_torchrun_matches_one_process(runs):
 def test_each_rank_works_on_its_shard(monkeypatch, one_thread):
     """As rank 1 of 2 (reductions left out): calibration gets windows and pairs 1, 3, ..., perplexity
     covers windows 1, 3, ... and the stereotype score pairs 1, 3, ..."""
-    from tiny_models import BUILDERS, VOCAB
-
     from fairprune import distributed
     from fairprune.metrics import language
     from fairprune.pruning import llm
+    from fairprune.pruning.sparsity import Sparsity
+    from tiny_models import BUILDERS, VOCAB
 
     torch.manual_seed(0)
     model = BUILDERS["gpt2"]().eval()
@@ -177,7 +178,7 @@ def test_each_rank_works_on_its_shard(monkeypatch, one_thread):
     assert language.perplexity(model, ids, seqlen=8) == pytest.approx(share, rel=1e-6)
     assert language.stereotype_score(model, None, [("a0", "b0"), ("a1", "b1"), ("a2", "b2"), ("a3", "b3")]) == 0.5
     assert scored == ["a1", "b1", "a3", "b3"]
-    llm.prune_causal_lm(model, "debias-sparsegpt", 0.5, calib_ids=calib, pairs=pairs, progress=False)
+    llm.prune_causal_lm(model, "debias-sparsegpt", Sparsity.parse(0.5), calib_ids=calib, pairs=pairs, progress=False)
     (got_calib, got_pairs), = seen
     assert torch.equal(got_calib, calib[1::2])
     assert all(torch.equal(a, b[1::2]) for a, b in zip(got_pairs, pairs))

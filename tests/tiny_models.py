@@ -8,7 +8,8 @@ config's default applies).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import transformers as tf
 

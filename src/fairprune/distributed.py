@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Iterator, Sequence, TypeVar
+from collections.abc import Iterator, Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist

@@ -8,7 +8,7 @@ with status 2, without a traceback. Everything else is a bug and keeps its trace
 from __future__ import annotations
 
 import difflib
-from typing import Iterable
+from collections.abc import Iterable
 
 
 class UserError(ValueError):

@@ -25,7 +25,7 @@ from fairprune.storage.atomic import write_text
 
 METRICS_FILE = "metrics.csv"
 
-_REMEMBERED: "weakref.WeakKeyDictionary[L.Trainer, dict[CSVLogger, str]]" = weakref.WeakKeyDictionary()
+_REMEMBERED: weakref.WeakKeyDictionary[L.Trainer, dict[CSVLogger, str]] = weakref.WeakKeyDictionary()
 
 
 def remember_metrics(trainer: L.Trainer) -> None:

@@ -1,10 +1,16 @@
 """Post-training pruning when ``fit`` ends: train a causal LM, then prune it in the same run.
 
 ``train.py fit --config configs/lm/tiny_gpt2_sparsegpt.yaml`` trains the bundled LM, writes it to
-``<run>/model``, then this callback prunes a copy with the chosen solver (the same code as
-``prune.py <method>``) and writes ``<run>/pruned-<method>/`` (HF folder, ``report.json`` with the
-before / after perplexity and stereotype score). Calibration and evaluation text come from the
-data module (its train / validation text), the paired set from ``pairs`` (bundled by default).
+``<run>/model``, then this callback prunes a copy with the chosen method (the same code as
+``prune.py <method>`` / ``prune.py fasp``) and writes ``<run>/pruned-<method>/`` (HF folder,
+``report.json`` with the before / after perplexity and stereotype score). Calibration and
+evaluation text come from the data module (its train / validation text), the paired set from
+``calibration.pairs`` (bundled by default).
+
+The options are the commands' own types, with their names and defaults: ``calibration``
+(:class:`~fairprune.pruning.options.CalibrationOptions`: nsamples, seqlen, device, seed, ...),
+``solver`` (:class:`~fairprune.pruning.options.SolverOptions`) and ``heads``
+(:class:`~fairprune.pruning.options.HeadOptions`).
 """
 
 from __future__ import annotations
@@ -18,45 +24,33 @@ from fairprune import distributed
 from fairprune.callbacks.report import run_dir
 from fairprune.data.pairs import LMTexts, read_pairs, split_pairs
 from fairprune.data.text import stereo_pairs
-from fairprune.errors import UserError, suggest
 from fairprune.hub import resolve_device
 from fairprune.pruning import registry
-from fairprune.pruning.llm import parse_sparsity, prune_and_measure
+from fairprune.pruning.llm import prune_and_measure
+from fairprune.pruning.options import CalibrationOptions, HeadOptions, SolverOptions
+from fairprune.pruning.sparsity import Sparsity
 from fairprune.reporting.runs import write_head_run, write_lm_run
 
 
-HEAD_METHOD = "fasp"
-
-
 class PostTrainingPruning(L.Callback):
-    """Prune the trained LM when fit ends: weights (magnitude / Wanda / SparseGPT /
-    Debias-SparseGPT) or attention heads (FASP).
+    """Prune the trained LM when fit ends: its weights (an ``lm`` method: magnitude, wanda,
+    sparsegpt, debias-sparsegpt) or its attention heads (a ``heads`` method: fasp, fairness, ...).
 
     Args:
-        method: ``magnitude``, ``wanda``, ``sparsegpt``, ``debias-sparsegpt`` or ``fasp``.
-        sparsity: fraction in [0, 1) or ``"N:M"`` (e.g. ``"2:4"``).
-        nsamples / seqlen: calibration windows from the training text.
-        pairs: StereoSet JSON / CrowS-Pairs CSV; unset = the bundled paired set.
-        percdamp / blocksize: SparseGPT settings. device: ``auto``, ``cpu``, ``cuda``.
-        gamma / alpha / axis / scorer / max_new_tokens: FASP settings (see ``prune.py fasp``).
+        method: an ``lm`` or ``heads`` method of the registry.
+        sparsity: weight methods: fraction in [0, 1) or ``"N:M"`` (e.g. ``"2:4"``).
+        calibration: calibration and measuring settings (as prune.py's LM commands).
+        solver: SparseGPT's settings.
+        heads: head pruning settings (as prune.py fasp).
     """
 
-    def __init__(self, method: str = "sparsegpt", sparsity: str = "0.5", nsamples: int = 64, seqlen: int = 128,
-                 pairs: str | None = None, percdamp: float = 0.01, blocksize: int = 128, device: str = "auto",
-                 seed: int = 0, gamma: float | None = 0.3, alpha: float = 0.1, axis: str = "gender_and_sex",
-                 scorer: str = "auto", max_new_tokens: int = 20) -> None:
-        choices = (*registry.names("lm"), HEAD_METHOD)
-        if method not in choices:
-            raise UserError(f"unknown post-training method '{method}'{suggest(method, choices)}; choose one of {', '.join(choices)}")
-        if method == HEAD_METHOD:
-            for name, value in (("alpha", alpha), ("gamma", gamma)):
-                if value is not None and not 0.0 <= value <= 1.0:
-                    raise UserError(f"{name} must be in [0, 1], got {value}")
-        else:
-            parse_sparsity(sparsity)  # fail before training, not after it
-        self.fasp = {"gamma": gamma, "alpha": alpha, "axis": axis, "scorer": scorer, "max_new_tokens": max_new_tokens}
-        self.method, self.sparsity, self.pairs, self.seed = method, sparsity, pairs, seed
-        self.settings = {"nsamples": nsamples, "seqlen": seqlen, "percdamp": percdamp, "blocksize": blocksize, "device": device}
+    def __init__(self, method: str = "sparsegpt", sparsity: str = "0.5",
+                 calibration: CalibrationOptions = CalibrationOptions(), solver: SolverOptions = SolverOptions(),
+                 heads: HeadOptions = HeadOptions()) -> None:
+        self.entry = registry.get(method, ("lm", "heads"), what="post-training")
+        # Fail before training, not after it.
+        self.sparsity = Sparsity.parse(sparsity) if self.entry.kind == "lm" else None
+        self.method, self.calibration, self.solver, self.heads = method, calibration, solver, heads
         self.report: dict[str, Any] | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -68,36 +62,47 @@ class PostTrainingPruning(L.Callback):
         # Rank 0 alone, as one process: no sharding of the calibration, no waiting for the
         # other DDP processes (which have finished fitting and do not come).
         with distributed.local():
-            self._prune(trainer, pl_module)
+            if self.entry.kind == "heads":
+                self._prune_heads(trainer, pl_module)
+            else:
+                self._prune_weights(trainer, pl_module)
 
-    def _prune(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def _config(self) -> dict[str, Any]:
+        from dataclasses import asdict
+
+        return {"method": self.method, "sparsity": None if self.sparsity is None else str(self.sparsity),
+                "calibration": asdict(self.calibration), "solver": asdict(self.solver), "heads": asdict(self.heads)}
+
+    def _prune_weights(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         train_text, val_text = trainer.datamodule.texts()
-        if self.method == HEAD_METHOD:
-            self._prune_heads(trainer, pl_module, val_text)
-            return
-        calib_pairs, eval_pairs = split_pairs(read_pairs(self.pairs) if self.pairs else stereo_pairs(), self.seed)
+        c = self.calibration
+        calib_pairs, eval_pairs = split_pairs(read_pairs(c.pairs) if c.pairs else stereo_pairs(), c.seed)
         model = copy.deepcopy(pl_module.model).cpu()  # the trained model stays as it is in <run>/model
         out = run_dir(trainer) / f"pruned-{self.method}"
         texts = LMTexts(train_text, val_text, calib_pairs, eval_pairs)
-        settings = {**self.settings, "device": resolve_device(self.settings["device"])}
-        report, layers = prune_and_measure(model, pl_module.tokenizer, self.method, self.sparsity, texts, seed=self.seed,
-                                           progress=trainer.progress_bar_callback is not None, **settings)
+        report, layers = prune_and_measure(
+            model, pl_module.tokenizer, self.method, self.sparsity, texts, nsamples=c.nsamples, seqlen=c.seqlen,
+            eval_seqlen=c.window, device=resolve_device(c.device), percdamp=self.solver.percdamp,
+            blocksize=self.solver.blocksize, seed=c.seed, eval_tokens=c.eval_tokens,
+            progress=trainer.progress_bar_callback is not None)
         self.report = {"method": self.method, "model": str(run_dir(trainer) / "model"), **report}
-        write_lm_run(out, model, pl_module.tokenizer, self.report,
-                     {"method": self.method, "sparsity": str(self.sparsity), "pairs": self.pairs, **self.settings}, layers)
+        write_lm_run(out, model, pl_module.tokenizer, self.report, self._config(), layers)
         print(f"[{self.method}] perplexity {report['reference']['metrics']['perplexity']:.2f} → "
               f"{report['metrics']['perplexity']:.2f}; written to {out}", flush=True)
 
-    def _prune_heads(self, trainer: L.Trainer, pl_module: L.LightningModule, val_text: str) -> None:
+    def _prune_heads(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        from fairprune.data.prompts import read_prompts
         from fairprune.pruning.fasp import Generation, run_fasp
 
-        out = run_dir(trainer) / "pruned-fasp"
+        _, val_text = trainer.datamodule.texts()
+        out = run_dir(trainer) / f"pruned-{self.method}"
         model = copy.deepcopy(pl_module.model).cpu()
-        f = self.fasp
-        run = run_fasp(model, pl_module.tokenizer, None, val_text, "fasp", f["gamma"], f["alpha"], f["axis"],
-                       f["scorer"], out, generation=Generation(max_new_tokens=f["max_new_tokens"], seed=self.seed),
-                       seqlen=self.settings["seqlen"], seed=self.seed, progress=trainer.progress_bar_callback is not None)
-        self.report = {**run.report, "model": str(run_dir(trainer) / "model")}
-        run.report = self.report
-        write_head_run(out, model, pl_module.tokenizer, run, {"method": "fasp", **f, "seed": self.seed, **self.settings})
-        print(f"[fasp] removed {len(self.report['heads_removed'])} heads; written to {out}")
+        c, h = self.calibration, self.heads
+        result = run_fasp(model, pl_module.tokenizer, read_prompts(h.prompts) if h.prompts else None, val_text,
+                          self.method, h.gamma, h.alpha, h.axis, h.scorer, out,
+                          generation=Generation(max_new_tokens=h.max_new_tokens, seed=c.seed), seqlen=c.seqlen,
+                          seed=c.seed, max_batch=h.max_batch, eval_tokens=c.eval_tokens,
+                          progress=trainer.progress_bar_callback is not None)
+        result.report = self.report = {**result.report, "model": str(run_dir(trainer) / "model")}
+        write_head_run(out, model, pl_module.tokenizer, result, self._config())
+        print(f"[{self.method}] removed {len(self.report['heads_removed'])} heads; written to {out}")

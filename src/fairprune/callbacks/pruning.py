@@ -39,19 +39,17 @@ from typing import Any
 
 import lightning as L
 import torch
-import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
 
 from fairprune import distributed
 from fairprune.callbacks.guards import learning_rate, nonfinite_tensor
 from fairprune.errors import UserError
 from fairprune.metrics.group import GroupRates, result_values
-from fairprune.pruning import importance as imp
-from fairprune.pruning import registry, select
+from fairprune.pruning import registry
 from fairprune.pruning.batchnorm import batchnorm_layers, recalibrate_batchnorm
-from fairprune.pruning.fairgrape import layer_quota, select_layer_masks
 from fairprune.pruning.masks import Target, achieved_sparsity, apply_mask, prunable_targets
-
+from fairprune.pruning.sparsity import Sparsity
+from fairprune.pruning.steps import ScoreContext
 
 
 def density_schedule(target_sparsity: float, keep_per_iter: float) -> list[float]:
@@ -64,28 +62,14 @@ def density_schedule(target_sparsity: float, keep_per_iter: float) -> list[float
     return densities
 
 
-def _check_target_sparsity(value: Any) -> None:
-    """A fraction in [0, 1). YAML 1.1 reads an unquoted ``a:b`` as the base-60 number ``60a + b``
-    (``3:2`` → 182), so an N:M pattern arrives here as a large number: say so."""
-    number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if number and 0.0 <= value < 1.0:
-        return
-    hint = ""
-    if number and value >= 60 and float(value).is_integer():
-        a, b = divmod(int(value), 60)
-        hint = (f" (YAML reads an unquoted {a}:{b} as the base-60 (sexagesimal) number {int(value)}; vision "
-                f"pruning takes a fraction of weights, not an N:M pattern)")
-    elif isinstance(value, str) and ":" in value:
-        hint = " (vision pruning takes a fraction of weights, not an N:M pattern)"
-    raise UserError(f"target_sparsity must be a fraction in [0, 1), e.g. 0.9 for 90 % zeros, got {value!r}{hint}")
-
-
 class IterativePruning(L.Callback):
     """Prune iteratively while training, with retraining between steps.
 
     Args:
-        method: one of ``fairgrape, magnitude, snip, grasp, random, lottery``.
-        target_sparsity: final fraction of zeros in every targeted layer (global for snip / grasp).
+        method: a vision method of the registry (``fairgrape, magnitude, snip, grasp, random, lottery``
+            or one registered with ``fairprune.pruning.registry.register``).
+        target_sparsity: final fraction of zeros in every targeted layer (over all of them for a
+            method of global scope: snip, grasp).
         keep_per_iter: fraction of the remaining weights kept per step (FairGRAPE: 0.9).
         retrain_epochs: epochs of retraining after each step.
         start_epoch: dense epochs before the first step (0 when pruning a trained model).
@@ -118,8 +102,8 @@ class IterativePruning(L.Callback):
         seed: int = 0,
         bn_recalibration: int = 20,
     ) -> None:
-        registry.get(method, "vision")
-        _check_target_sparsity(target_sparsity)
+        self.entry = registry.get(method, "vision")
+        target_sparsity = Sparsity.parse(target_sparsity, what="target_sparsity", nm=False).fraction
         if not 0.0 < keep_per_iter < 1.0:
             raise UserError(f"keep_per_iter must be in (0, 1), got {keep_per_iter}; FairGRAPE uses 0.9")
         if retrain_epochs < 1 or start_epoch < 0 or score_batches < 1:
@@ -169,7 +153,7 @@ class IterativePruning(L.Callback):
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         epoch = trainer.current_epoch
-        if self.method == "lottery" and epoch == self.rewind_epoch and self._rewind is None:
+        if self.entry.rewind and epoch == self.rewind_epoch and self._rewind is None:
             self._rewind = {t.name: _weight_param(t).detach().clone() for t in self._targets(pl_module)}
         due = self.start_epoch + self.steps_done * self.retrain_epochs
         if self.steps_done < len(self.densities) and epoch >= due:
@@ -208,7 +192,7 @@ class IterativePruning(L.Callback):
         keeps = trainer.strategy.broadcast(self._select(targets, scores, density), src=0)
         for target, keep in zip(targets, keeps):
             apply_mask(target, keep)
-        if self.method == "lottery" and self._rewind is not None:
+        if self.entry.rewind and self._rewind is not None:
             with torch.no_grad():
                 for t in targets:
                     _weight_param(t).copy_(self._rewind[t.name].to(_weight_param(t).device))
@@ -270,34 +254,19 @@ class IterativePruning(L.Callback):
         return found
 
     def _scores(self, trainer: L.Trainer, pl_module: L.LightningModule, targets: list[Target]) -> dict[str, torch.Tensor]:
-        device = pl_module.device
-        if self.method in ("magnitude", "lottery"):
-            return imp.magnitude_scores(targets)
-        if self.method == "random":
-            return imp.random_scores(targets, self.seed + self.steps_done)
-        loader, num_groups, names = self._importance_loader(trainer, pl_module)
-        progress = trainer.progress_bar_callback is not None and trainer.is_global_zero  # enable_progress_bar
-        if self.method == "snip":
-            return imp.snip_scores(pl_module, targets, loader, F.cross_entropy, device, self.score_batches, progress)
-        if self.method == "grasp":
-            return imp.grasp_scores(pl_module, targets, loader, F.cross_entropy, device, self.score_batches, progress)
-        return imp.group_scores(pl_module, targets, loader, F.cross_entropy, device, num_groups, names, progress)
+        context = ScoreContext(
+            model=pl_module, targets=targets, device=pl_module.device,
+            data=lambda: self._importance_loader(trainer, pl_module),
+            seed=self.seed + self.steps_done, batches=self.score_batches,
+            progress=trainer.progress_bar_callback is not None and trainer.is_global_zero)  # enable_progress_bar
+        return self.entry.score(context)
 
     def _select(self, targets: list[Target], scores: dict[str, torch.Tensor], density: float) -> list[torch.Tensor]:
-        """Keep masks (True = keep) at ``density`` of every layer, never reviving a pruned weight."""
-        if registry.get(self.method, "vision").scope == "global":
-            # Global ranking over every targeted weight (SNIP and GraSP as published).
-            total = sum(t.weight.numel() for t in targets)
-            keeps = select.top_k({t.name: scores[t.name].cpu() for t in targets}, layer_quota(total, density),
-                                 {t.name: t.mask.cpu() for t in targets})
-            return [keeps[t.name] for t in targets]
-        if self.method == "fairgrape":  # every layer in one call: the layers run in parallel threads
-            candidates = [t.mask.cpu() for t in targets]
-            quotas = [min(layer_quota(t.weight.numel(), density), int(c.sum())) for t, c in zip(targets, candidates)]
-            chosen = select_layer_masks([scores[t.name] for t in targets], candidates, quotas, report=True)
-            self.shares += [{"layer": t.name, "step": self.steps_done + 1, **share} for t, (_, share) in zip(targets, chosen)]
-            return [keep for keep, _ in chosen]
-        return [select.top_k(scores[t.name].cpu(), layer_quota(t.weight.numel(), density), t.mask.cpu()) for t in targets]
+        """Keep masks (True = keep) at ``density`` of every layer (of all of them for a global
+        method), never reviving a pruned weight; FairGRAPE's group shares are kept for the report."""
+        choice = self.entry.select(targets, scores, density)
+        self.shares += [{"layer": t.name, "step": self.steps_done + 1, **share} for t, share in zip(targets, choice.shares)]
+        return choice.keeps
 
     # -- logging, report, resume -----------------------------------------------------------------
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -315,7 +284,6 @@ class IterativePruning(L.Callback):
             import pandas as pd
 
             from fairprune.callbacks.report import run_dir
-
             from fairprune.storage.atomic import write_csv
 
             write_csv(run_dir(trainer) / "group_shares.csv", pd.DataFrame(self.share_rows()), index=False)

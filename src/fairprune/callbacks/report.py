@@ -14,11 +14,10 @@ import torch
 
 from fairprune.callbacks.history import continue_metrics
 from fairprune.pruning.masks import achieved_sparsity, prunable_targets, sparsity_table
-from fairprune.storage.atomic import write_csv
 from fairprune.reporting.report import Report, group_table, markdown, write_json
+from fairprune.storage.atomic import write_csv
 
-
-_RUN_DIRS: "weakref.WeakKeyDictionary[L.Trainer, Path]" = weakref.WeakKeyDictionary()
+_RUN_DIRS: weakref.WeakKeyDictionary[L.Trainer, Path] = weakref.WeakKeyDictionary()
 
 
 def run_dir(trainer: L.Trainer) -> Path:

@@ -16,8 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from fairprune.cli.train import main as train_main
 from fairprune.cli.prune import main as prune_main
+from fairprune.cli.train import main as train_main
 
 TRAIN_CONFIG = "configs/vision/demo.yaml"
 COMPARE_CONFIG = "configs/compare/demo.yaml"

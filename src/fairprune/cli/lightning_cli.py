@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import inspect
 from pkgutil import resolve_name
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from lightning.pytorch.cli import LightningCLI
@@ -26,7 +26,7 @@ from fairprune.callbacks.history import remember_metrics
 from fairprune.callbacks.progress import ProgressBar
 from fairprune.callbacks.report import ReportWriter
 from fairprune.cli.guard import guarded
-from fairprune.workflows.options import RunOptions
+from fairprune.workflows.options import MachineOptions
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "logger": {
@@ -51,7 +51,7 @@ class FairpruneCLI(LightningCLI):
         # ... stops at a NaN / inf loss or weight before anything is saved, and holds its folder's lock.
         parser.add_lightning_class_args(FiniteCheck, "finite")
         parser.add_lightning_class_args(RunFolderLock, "lock")
-        parser.add_argument("--threads", type=Optional[int], default=None,
+        parser.add_argument("--threads", type=int | None, default=None,
                             help="CPU threads for torch, numba, OpenMP / MKL and the tokenizers (default: torch's own choice)")
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Any:
@@ -66,7 +66,7 @@ class FairpruneCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
-        RunOptions(threads=cfg.get("threads")).apply()  # before the model, the data and their pools exist
+        MachineOptions(threads=cfg.get("threads")).apply()  # before the model, the data and their pools exist
         data_cfg, model_cfg = cfg.get("data"), cfg.get("model")
         if not data_cfg or not model_cfg or "class_path" not in data_cfg or "class_path" not in model_cfg:
             return
@@ -84,7 +84,7 @@ class FairpruneCLI(LightningCLI):
                 model_cfg.init_args[key] = list(value) if isinstance(value, (list, tuple)) else value
 
 
-def run(args: list[str] | None = None) -> int:
+def dispatch(args: list[str] | None = None) -> int:
     """Run the training CLI; return the process exit status."""
     torch.set_float32_matmul_precision("high")
     return guarded(lambda: FairpruneCLI(

@@ -5,8 +5,8 @@ and the help from its docstring. A parameter typed with an option group of
 :mod:`fairprune.workflows.options` (``LMOptions``, ``SolverOptions``, ``HeadOptions``) adds that
 group's options flat (``--model``, ``--seqlen``, ...), so every LM command shares one set of names.
 Every subcommand takes ``--config file.yaml`` (keys = the option names), ``--print_config`` and the
-:class:`~fairprune.workflows.options.RunOptions` (``--threads N``, ``--quiet``): the thread count is
-set before the workflow starts, and ``--quiet`` reaches the workflow (a ``RunOptions`` parameter)
+:class:`~fairprune.workflows.options.MachineOptions` (``--threads N``, ``--quiet``): the thread count is
+set before the workflow starts, and ``--quiet`` reaches the workflow (a ``MachineOptions`` parameter)
 or its Trainer (``enable_progress_bar: false``).
 
 Only the chosen subcommand's workflow is imported: ``prune.py --help`` loads neither torch nor
@@ -19,13 +19,16 @@ import dataclasses
 import inspect
 import sys
 import typing
+from collections.abc import Callable
 from importlib import import_module
-from typing import Any, Callable, NamedTuple
+from typing import Any, NamedTuple
 
 from fairprune.cli.guard import guarded
 from fairprune.errors import UserError, suggest
 from fairprune.pruning import registry
-from fairprune.workflows.options import DataOptions, HeadOptions, LMOptions, RunOptions, SolverOptions, TrainerOptions
+from fairprune.pruning.options import HeadOptions, SolverOptions
+from fairprune.pruning.sparsity import Sparsity
+from fairprune.workflows.options import DataOptions, LMOptions, MachineOptions, TrainerOptions
 
 
 class Command(NamedTuple):
@@ -35,27 +38,27 @@ class Command(NamedTuple):
     hide: tuple[str, ...] = ()  # group options that mean nothing to this subcommand
 
 
-def _commands() -> dict[str, Command]:
-    commands = {"vision": Command("Prune a trained vision checkpoint: " + ", ".join(registry.names("vision")) + ".",
+def commands() -> dict[str, Command]:
+    """The subcommands, from the registry as it is now (a method registered by a plugin has its own)."""
+    table = {"vision": Command("Prune a trained vision checkpoint: " + ", ".join(registry.names("vision")) + ".",
                                  "fairprune.workflows.vision:prune_vision")}
     for method in registry.names("lm"):
-        commands[method] = Command(f"Post-training {method} pruning of a causal LM (unstructured or N:M); "
+        table[method] = Command(f"Post-training {method} pruning of a causal LM (unstructured or N:M); "
                                    "writes a transformers folder and its report.", "fairprune.workflows.lm:prune_lm",
                                    {"method": method})
-    commands["fasp"] = Command("FASP: remove the attention heads that most raise toxicity disparity, protecting the "
+    table["fasp"] = Command("FASP: remove the attention heads that most raise toxicity disparity, protecting the "
                                "heads perplexity needs (or a baseline: " + ", ".join(registry.names("heads")[1:]) + ").",
                                "fairprune.workflows.heads:fasp")
-    commands["diff-compare"] = Command("Full fine-tuning vs fine-tuning + magnitude-pruned difference vs Diff-Pruning, "
+    table["diff-compare"] = Command("Full fine-tuning vs fine-tuning + magnitude-pruned difference vs Diff-Pruning, "
                                        "one table, from a train.py text config.", "fairprune.cli.prune:diff_compare")
-    commands["evaluate"] = Command("Perplexity, stereotype score and sparsity of a causal LM.",
+    table["evaluate"] = Command("Perplexity, stereotype score and sparsity of a causal LM.",
                                    "fairprune.workflows.lm:evaluate_lm")
-    commands["compare"] = Command("Compare methods x sparsities on a vision checkpoint (--ckpt) or a causal LM "
+    table["compare"] = Command("Compare methods x sparsities on a vision checkpoint (--ckpt) or a causal LM "
                                   "(--model; --alphas for head pruning); one table.", "fairprune.cli.prune:compare",
                                   hide=("alpha",))
-    return commands
+    return table
 
 
-COMMANDS = _commands()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -67,7 +70,7 @@ def compare(methods: list[str], output: str = "runs/compare", ckpt: str | None =
             pruning: dict[str, Any] = {}, trainer: TrainerOptions = {}, data: DataOptions = {}, seed: int = 0,
             seeds: list[int] | None = None, dense_per_seed: bool = False,
             lm: LMOptions | None = None, solver: SolverOptions | None = None, heads: HeadOptions | None = None,
-            run: RunOptions | None = None) -> Any:
+            machine: MachineOptions | None = None) -> Any:
     """Compare methods x sparsities from one vision checkpoint (--ckpt) or one causal LM (--model).
 
     Args:
@@ -89,24 +92,17 @@ def compare(methods: list[str], output: str = "runs/compare", ckpt: str | None =
     if ckpt is not None:
         from fairprune.workflows.vision import compare_vision
 
-        return compare_vision(ckpt, methods, [_fraction(s) for s in sparsities], dict(pruning), output, dict(trainer),
+        fractions = [Sparsity.parse(s, what="vision sparsity", nm=False).fraction for s in sparsities]
+        return compare_vision(ckpt, methods, fractions, dict(pruning), output, dict(trainer),
                               dict(data), seed, seeds=seeds, dense_per_seed=dense_per_seed)
     lm = dataclasses.replace(lm, model=model)
     if alphas:
         from fairprune.workflows.heads import compare_heads
 
-        return compare_heads(lm, methods, alphas, output, heads, run or RunOptions())
+        return compare_heads(lm, methods, alphas, output, heads, machine or MachineOptions())
     from fairprune.workflows.lm import compare_lm
 
-    return compare_lm(lm, methods, [str(s) for s in sparsities], output, solver, run or RunOptions())
-
-
-def _fraction(value: str | float) -> float:
-    """A vision sparsity: a fraction (vision pruning takes no N:M pattern)."""
-    try:
-        return float(value)
-    except ValueError:
-        raise UserError(f"vision sparsities are fractions in [0, 1), got '{value}' (N:M patterns are for LM pruning)") from None
+    return compare_lm(lm, methods, [Sparsity.parse(s) for s in sparsities], output, solver, machine or MachineOptions())
 
 
 def diff_compare(train_config: str, overrides: list[str] = [], target_fraction: float = 0.005, epochs: int = 3,
@@ -165,7 +161,7 @@ def build_parser(name: str):
     """The parser of one subcommand."""
     from jsonargparse import ActionConfigFile, ArgumentParser
 
-    command = COMMANDS[name]
+    command = commands()[name]
     function = _resolve(command.function)
     parser = ArgumentParser(prog=f"prune.py {name}", description=command.summary, exit_on_error=False)
     parser.add_argument("--config", action=ActionConfigFile, help="YAML file with any of these options")
@@ -177,7 +173,7 @@ def build_parser(name: str):
         parser.add_class_arguments(IterativePruning, "pruning", help="pruning method and schedule")
         skip.add("pruning")
     parser.add_function_arguments(function, nested_key=None, skip=skip)
-    for group in dict.fromkeys([*groups.values(), RunOptions]):  # every subcommand takes --threads, --quiet
+    for group in dict.fromkeys([*groups.values(), MachineOptions]):  # every subcommand takes --threads, --quiet
         fields = {f.name for f in dataclasses.fields(group)}
         parser.add_class_arguments(group, nested_key=None,
                                    skip=(set(inspect.signature(function).parameters) | set(command.hide)) & fields)
@@ -188,7 +184,7 @@ def call(name: str, cfg) -> Any:
     """Run subcommand ``name`` with the parsed ``cfg``."""
     from jsonargparse import Namespace
 
-    command = COMMANDS[name]
+    command = commands()[name]
     function = _resolve(command.function)
     groups = _groups(function)
     kwargs: dict[str, Any] = dict(command.fixed)
@@ -204,9 +200,10 @@ def call(name: str, cfg) -> Any:
         elif param in cfg:
             value = cfg[param]
             kwargs[param] = value.as_dict() if isinstance(value, Namespace) else value
-    run = options(RunOptions)
-    run.apply()  # before the workflow starts: every pool it sizes follows --threads
-    if run.quiet and "trainer" in inspect.signature(function).parameters:
+    machine = options(MachineOptions)
+    if MachineOptions not in groups.values():
+        machine.apply()  # before the workflow starts (one that takes MachineOptions applies them itself)
+    if machine.quiet and "trainer" in inspect.signature(function).parameters:
         kwargs["trainer"] = {**(kwargs.get("trainer") or {}), "enable_progress_bar": False}
     return function(**kwargs)
 
@@ -217,21 +214,23 @@ def top_level_parser():
     parser = ArgumentParser(prog="prune.py", description="Prune trained models and measure what it costs each group. "
                             "'prune.py <subcommand> --help' lists a subcommand's options.")
     commands = parser.add_subcommands(dest="command")
-    for name, command in COMMANDS.items():
+    for name, command in commands().items():
         commands.add_subcommand(name, ArgumentParser(description=command.summary), help=command.summary)
     return parser
 
 
-def run(args: list[str] | None = None) -> Any:
+def dispatch(args: list[str] | None = None) -> Any:
+    """Parse ``args`` (default: ``sys.argv``) and run the subcommand they name."""
     argv = sys.argv[1:] if args is None else list(args)
     if not argv or argv[0] in ("-h", "--help"):
         top_level_parser().print_help()
         if not argv:
-            raise UserError("give a subcommand: " + ", ".join(COMMANDS))
+            raise UserError("give a subcommand: " + ", ".join(commands()))
         return None
     name = argv[0]
-    if name not in COMMANDS:
-        raise UserError(f"unknown subcommand '{name}'{suggest(name, COMMANDS)}; choose one of {', '.join(COMMANDS)}")
+    known = commands()
+    if name not in known:
+        raise UserError(f"unknown subcommand '{name}'{suggest(name, known)}; choose one of {', '.join(known)}")
     cfg = build_parser(name).parse_args(_bare_flags(argv[1:]))
     return call(name, cfg)
 
@@ -247,4 +246,4 @@ def _bare_flags(argv: list[str], flags: tuple[str, ...] = ("--quiet",)) -> list[
 
 
 def main(args: list[str] | None = None) -> int:
-    return guarded(lambda: run(args))
+    return guarded(lambda: dispatch(args))

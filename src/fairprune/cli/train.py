@@ -23,9 +23,9 @@ def main(args: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         top_level_parser().print_help()
         return 0 if argv else 2
-    from fairprune.cli.lightning_cli import run
+    from fairprune.cli.lightning_cli import dispatch
 
-    return run(args)
+    return dispatch(args)
 
 
 def top_level_parser():

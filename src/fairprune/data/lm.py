@@ -15,12 +15,11 @@ import lightning as L
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from fairprune.data.text import train_bpe_tokenizer, write_lm_corpus
 from fairprune.data.files import read_text
 from fairprune.data.shards import eval_sampler
+from fairprune.data.text import train_bpe_tokenizer, write_lm_corpus
 from fairprune.errors import UserError
 from fairprune.hub import cache_dir, load_tokenizer
-
 
 
 def pack(ids: torch.Tensor, seqlen: int) -> torch.Tensor:

@@ -19,8 +19,9 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -245,7 +246,7 @@ def _stereo_records() -> list[dict]:
         anti_pron = "he" if stereo_pron == "she" else "she"
         for occ in occupations:
             for t, template in enumerate(_STEREO_TEMPLATES):
-                fill = lambda p: template.format(occ=occ, **_PRONOUNS[p])  # noqa: E731
+                fill = lambda p, template=template, occ=occ: template.format(occ=occ, **_PRONOUNS[p])  # noqa: E731
                 unrelated = template.format(occ=occ, subj=_UNRELATED[t % 5], poss=_UNRELATED[t % 5])
                 item = f"{occ}-{t}"
                 records.append({

@@ -114,7 +114,7 @@ def write_bios(folder: str | Path | None = None, size: int = 4000, seed: int = 0
     records = bios_records(size, seed)
     cut1, cut2 = int(0.8 * size), int(0.9 * size)
     folder.mkdir(parents=True, exist_ok=True)
-    for (split, path), part in zip(paths.items(), (records[:cut1], records[cut1:cut2], records[cut2:])):
+    for (_split, path), part in zip(paths.items(), (records[:cut1], records[cut1:cut2], records[cut2:])):
         tmp = path.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(r) + "\n" for r in part), encoding="utf-8")
         tmp.replace(path)

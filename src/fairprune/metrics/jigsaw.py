@@ -33,9 +33,9 @@ import copy
 import functools
 import io
 import pickle
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import torch

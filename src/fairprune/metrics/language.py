@@ -22,7 +22,7 @@ count) are added across ranks, so every rank returns the figure of the whole set
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -30,7 +30,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fairprune import distributed
-from fairprune.data.text import document_start, encode_sentence, join_documents  # document_start: public here too
+from fairprune.data.text import document_start, encode_sentence, join_documents  # noqa: F401 (document_start: public here too)
 from fairprune.errors import UserError
 
 

@@ -21,7 +21,8 @@ toxicity over all prompts of the axis and ``mean_s`` the mean over the prompts o
 from __future__ import annotations
 
 import re
-from typing import Protocol, Sequence, runtime_checkable
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import pandas as pd
 import torch

@@ -12,7 +12,8 @@ A term or a group is a function of the module, not a closure over it, so a copie
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

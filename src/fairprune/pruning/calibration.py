@@ -22,8 +22,9 @@ splits it back in halves and calls ``stat.add_pair(x0, x1, mask)``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -36,9 +36,9 @@ serve the same number of query heads, so groups are padded with zeroed query hea
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -78,7 +78,7 @@ class HeadGates:
         self.rows: torch.Tensor | None = None  # [batch, layers, heads] while per_row() is active
         self._handles: list = []
 
-    def attach(self) -> "HeadGates":
+    def attach(self) -> HeadGates:
         """Install the hooks (idempotent)."""
         if not self._handles:
             for layer, block in enumerate(self.blocks):
@@ -92,7 +92,7 @@ class HeadGates:
             handle.remove()
         self._handles.clear()
 
-    def __enter__(self) -> "HeadGates":
+    def __enter__(self) -> HeadGates:
         return self.attach()
 
     def __exit__(self, *exc) -> None:
@@ -118,7 +118,7 @@ class HeadGates:
             self.values.fill_(1.0)
 
     @contextmanager
-    def off(self, heads: Iterable[Head]) -> Iterator["HeadGates"]:
+    def off(self, heads: Iterable[Head]) -> Iterator[HeadGates]:
         """Silence ``heads`` (on top of the current gates) for the duration of the block."""
         saved = self.values.detach().clone()
         with torch.no_grad():
@@ -132,7 +132,7 @@ class HeadGates:
                 self.values.copy_(saved)
 
     @contextmanager
-    def per_row(self, rows: torch.Tensor) -> Iterator["HeadGates"]:
+    def per_row(self, rows: torch.Tensor) -> Iterator[HeadGates]:
         """For the duration of the block, batch row ``b`` is gated by ``rows[b]`` (a ``[batch, layers,
         heads]`` tensor) on top of :attr:`values`: one forward pass, one head configuration per row.
 

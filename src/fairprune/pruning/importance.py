@@ -15,9 +15,8 @@ The pruning callback scores inside ``local()`` instead: each process the whole s
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from contextlib import contextmanager
-from typing import Callable
 
 import torch
 from torch import nn

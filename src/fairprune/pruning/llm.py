@@ -24,38 +24,18 @@ from fairprune import distributed
 from fairprune.data.pairs import LMTexts
 from fairprune.data.text import calibration_ids, document_start, paired_ids
 from fairprune.errors import UserError
-from fairprune.metrics.language import eval_ids as tokenize_eval, measure_lm
 from fairprune.families import Family, family_of, linear_weight, set_linear_weight
+from fairprune.metrics.language import eval_ids as tokenize_eval
+from fairprune.metrics.language import measure_lm
 from fairprune.pruning import registry
 from fairprune.pruning.calibration import make_inputs, run_layerwise
 from fairprune.pruning.masks import Target, achieved_sparsity, sparsity_table
-from fairprune.pruning.sparsegpt import Hessian, PairedHessian, check_nm, check_sparsity, sparsegpt_solve
+from fairprune.pruning.registry import Method
 from fairprune.pruning.select import magnitude, n_m, top_k
-from fairprune.pruning.wanda import InputNorms, wanda_mask
+from fairprune.pruning.sparsity import Sparsity
 
 
-
-def parse_sparsity(value: float | str) -> tuple[float | None, tuple[int, int] | None]:
-    """``0.5`` → unstructured 50 %; ``"2:4"`` → N:M. Errors name the fix."""
-    if isinstance(value, str) and ":" in value:
-        try:
-            n, m = (int(part) for part in value.split(":"))
-        except ValueError:
-            raise UserError(f"N:M sparsity must look like 2:4, got '{value}'") from None
-        if not 0 < n < m:
-            raise UserError(f"N:M sparsity needs 0 < N < M, got {value}")
-        return None, (n, m)
-    try:
-        sparsity = float(value)
-    except ValueError:
-        raise UserError(f"sparsity must be a number in [0, 1) or N:M like 2:4, got '{value}'") from None
-    if not 0.0 <= sparsity < 1.0:
-        hint = " (quote N:M patterns in YAML lists, \"2:4\": unquoted, 2:4 reads as the number 124)" if sparsity >= 60 else ""
-        raise UserError(f"sparsity must be in [0, 1) or N:M, got {value}{hint}")
-    return sparsity, None
-
-
-def prune_and_measure(model: nn.Module, tokenizer, method: str, sparsity: float | str, texts: LMTexts, *,
+def prune_and_measure(model: nn.Module, tokenizer, method: str, sparsity: Sparsity, texts: LMTexts, *,
                       nsamples: int = 128, seqlen: int = 128, eval_seqlen: int | None = None,
                       device: torch.device | str = "cpu", percdamp: float = 0.01, blocksize: int = 128,
                       seed: int = 0, eval_tokens: int | None = None, eval_ids: torch.Tensor | None = None,
@@ -68,11 +48,9 @@ def prune_and_measure(model: nn.Module, tokenizer, method: str, sparsity: float 
     figures when the caller has them (measured once for several runs, or cached); the dense model
     is then not measured here. ``progress``: progress bars and lines (main rank only).
     """
-    registry.get(method, "lm")
-    target, nm = parse_sparsity(sparsity)
-    family = family_of(model)  # unknown families fail here, before any work
-    if nm is not None:
-        _check_nm_widths(model, family, nm)  # and so does an N:M pattern the layer widths do not allow
+    entry = registry.get(method, "lm")
+    check_pattern_fits(model, sparsity)  # unknown families and N:M patterns the widths do not allow fail here
+    family = family_of(model)
     eval_seqlen = eval_seqlen or seqlen
     start = time.perf_counter()
     talk = progress and distributed.is_main()
@@ -84,10 +62,10 @@ def prune_and_measure(model: nn.Module, tokenizer, method: str, sparsity: float 
             print(f"[{method}] measuring the dense model ...", flush=True)
         before = measure_lm(model, tokenizer, ids, texts.eval_pairs, eval_seqlen, device, progress=progress)
     measured = time.perf_counter()
-    calib = calibration_ids(tokenizer, texts.calib_text, nsamples, seqlen, seed) if method != "magnitude" else None
-    pairs = paired_ids(tokenizer, texts.calib_pairs, seqlen) if method == "debias-sparsegpt" else None
+    calib = calibration_ids(tokenizer, texts.calib_text, nsamples, seqlen, seed) if entry.uses_data else None
+    pairs = paired_ids(tokenizer, texts.calib_pairs, seqlen) if entry.paired else None
     model.to("cpu")
-    result = prune_causal_lm(model, method, target, nm, calib, pairs, device, percdamp, blocksize, progress=talk)
+    result = prune_causal_lm(model, method, sparsity, calib, pairs, device, percdamp, blocksize, progress=talk)
     pruned = time.perf_counter()
     if talk:
         print(f"[{method}] measuring the pruned model ...", flush=True)
@@ -123,8 +101,7 @@ def evaluation_facts(ids: torch.Tensor, window: int, eval_tokens: int | None, ev
 def prune_causal_lm(
     model: nn.Module,
     method: str,
-    sparsity: float | None = None,
-    nm: tuple[int, int] | None = None,
+    sparsity: Sparsity,
     calib_ids: torch.Tensor | None = None,
     pairs: tuple[torch.Tensor, ...] | None = None,
     device: str | torch.device = "cpu",
@@ -135,37 +112,38 @@ def prune_causal_lm(
 ) -> dict:
     """Prune ``model`` in place and return ``{"layers": {name: sparsity}, "achieved_sparsity", "seconds", ...}``.
 
-    ``calib_ids`` [n, seq]: calibration token ids (Wanda, SparseGPT; optional extra data for
-    Debias-SparseGPT). ``pairs``: ``(ids0, ids1)`` or ``(ids0, ids1, mask)`` token-aligned
-    stereotypical / anti-stereotypical batches (Debias-SparseGPT only), e.g. from
-    ``fairprune.data.text.paired_ids``. Give either ``sparsity`` or ``nm=(N, M)``.
+    ``method``: an ``lm`` method of the registry; its entry's ``statistic`` is accumulated over
+    each layer's calibration inputs and its ``selection`` solves the layer (a method without a
+    statistic prunes from the weights alone). ``sparsity``: :meth:`Sparsity.parse` of a fraction
+    or N:M. ``calib_ids`` [n, seq]: calibration token ids (optional extra data for a paired
+    method). ``pairs``: ``(ids0, ids1)`` or ``(ids0, ids1, mask)`` token-aligned stereotypical /
+    anti-stereotypical batches (paired methods only), e.g. from ``fairprune.data.text.paired_ids``.
 
     Under ``torch.distributed`` every rank passes the same full ``calib_ids`` / ``pairs`` and
     calibrates on its shard; all ranks end with the same weights.
     """
     start = time.perf_counter()
+    entry = registry.get(method, "lm")
     family = family_of(model)
-    _validate(model, family, method, sparsity, nm, calib_ids, pairs, percdamp, blocksize)
+    _validate(model, family, entry, sparsity, calib_ids, pairs)
     solve_seconds = [0.0]
+    settings = {"blocksize": blocksize, "percdamp": percdamp}
 
     def prune(name: str, layer: nn.Module, stat) -> None:
         tick = time.perf_counter()
-        W = linear_weight(layer)
-        if method == "wanda":
-            W = W.masked_fill(wanda_mask(W, stat.value(), sparsity, nm), 0)
-        else:
-            W = sparsegpt_solve(W, stat.value(), sparsity, nm, blocksize, percdamp)
+        W = entry.select(linear_weight(layer), None if stat is None else stat.value(), sparsity, **settings)
         # Every rank solved from the same reduced statistics; rank 0's result makes them identical.
         set_linear_weight(layer, distributed.broadcast(W.contiguous()))
         solve_seconds[0] += time.perf_counter() - tick
 
-    if method == "magnitude":
-        _prune_magnitude(model, family, sparsity, nm, device, progress)
+    if entry.statistic is None:  # from the weights alone: no calibration pass
+        with torch.no_grad():
+            for block in tqdm(family.block_list(model), desc=method, disable=not progress, unit="block"):
+                for name, layer in family.block_linears(block).items():
+                    prune(name, layer, None)
     else:
-        stat_class = {"wanda": InputNorms, "sparsegpt": Hessian, "debias-sparsegpt": PairedHessian}[method]
-
         def make_stat(name: str, layer: nn.Module):
-            return stat_class(linear_weight(layer).shape[1], device=device)
+            return entry.make_statistic(linear_weight(layer).shape[1], device=device)
 
         # This rank's share of the windows and pairs (all of them in one process).
         mine = None if pairs is None else tuple(distributed.shard(t) for t in pairs)
@@ -175,8 +153,8 @@ def prune_causal_lm(
     return {
         "method": method,
         "family": family.name,
-        "target_sparsity": float(nm[0] / nm[1]) if nm else float(sparsity),
-        "nm": f"{nm[0]}:{nm[1]}" if nm else None,
+        "target_sparsity": float(sparsity.fraction),
+        "nm": str(sparsity) if sparsity.nm else None,
         "achieved_sparsity": layers.pop("__total__"),
         "layers": layers,
         "seconds": {"solve": solve_seconds[0], "total": time.perf_counter() - start},
@@ -200,30 +178,25 @@ def sparsity_by_layer(model: nn.Module, family: Family) -> dict[str, float]:
     return out
 
 
-@torch.no_grad()
-def _prune_magnitude(model, family: Family, sparsity, nm, device, progress: bool) -> None:
-    """Per layer, prune the lowest ``|W|``: ``floor(sparsity·numel)`` layer-wide for unstructured
-    sparsity, N of every M consecutive input columns of each row for N:M."""
-    for block in tqdm(family.block_list(model), desc="magnitude", disable=not progress, unit="block"):
-        for layer in family.block_linears(block).values():
-            W = linear_weight(layer).to(device)
-            score = magnitude(W)
-            keep = n_m(score, *nm) if nm is not None else top_k(score, W.numel() - int(W.numel() * sparsity))
-            set_linear_weight(layer, W.masked_fill(~keep, 0))
+def magnitude_solve(W: torch.Tensor, _: None, sparsity: Sparsity, **__) -> torch.Tensor:
+    """Magnitude pruning of one layer: the lowest ``|W|``, ``floor(fraction·numel)`` layer-wide,
+    or N of every M consecutive input columns of each row."""
+    score = magnitude(W)
+    keep = n_m(score, *sparsity.nm) if sparsity.nm else top_k(score, W.numel() - int(W.numel() * sparsity.fraction))
+    return W.masked_fill(~keep, 0)
 
 
-def check_pattern_fits(model: nn.Module, sparsity: float | str) -> None:
-    """Raise a :class:`UserError` unless ``sparsity`` can be applied to ``model``: an N:M pattern's
-    M must divide the input width of every prunable layer (fractions always fit). Cheap (shapes
-    only): call it right after loading, before the dense model is measured."""
-    _, nm = parse_sparsity(sparsity)
-    if nm is not None:
-        _check_nm_widths(model, family_of(model), nm)
+def check_pattern_fits(model: nn.Module, sparsity: Sparsity) -> None:
+    """Raise a :class:`UserError` unless ``sparsity`` can be applied to ``model``: its family is
+    known and an N:M pattern's M divides the input width of every prunable layer (fractions always
+    fit). Cheap (shapes only): call it right after loading, before the dense model is measured."""
+    family = family_of(model)
+    if sparsity.nm is not None:
+        _check_nm_widths(model, family, sparsity.nm)
 
 
 def _check_nm_widths(model: nn.Module, family: Family, nm: tuple[int, int]) -> None:
     """N:M groups M consecutive inputs of each row: M must divide every prunable layer's input width."""
-    check_nm(nm)
     n, m = nm
     widths: dict[int, str] = {}  # input width → the first layer that has it
     for index, block in enumerate(family.block_list(model)):
@@ -239,23 +212,20 @@ def _check_nm_widths(model: nn.Module, family: Family, nm: tuple[int, int]) -> N
                         f"them all{hint}, or give a fraction such as 0.5")
 
 
-def _validate(model, family, method, sparsity, nm, calib_ids, pairs, percdamp, blocksize) -> None:
-    """Reject bad requests before any work is done, with one-line fixes."""
-    registry.get(method, "lm")
-    if (sparsity is None) == (nm is None):
-        raise UserError("give exactly one of sparsity (e.g. 0.5) or nm (e.g. (2, 4))")
-    if nm is not None:
-        _check_nm_widths(model, family, nm)
-    else:
-        check_sparsity(sparsity)
-    if percdamp < 0 or blocksize < 1:
-        raise UserError(f"percdamp must be >= 0 and blocksize >= 1, got {percdamp} and {blocksize}")
-    if pairs is not None and method != "debias-sparsegpt":
-        raise UserError(f"paired data is used only by debias-sparsegpt, not {method}; drop the pairs or switch method")
-    if method in ("wanda", "sparsegpt") and calib_ids is None:
+def _validate(model, family, entry: Method, sparsity: Sparsity, calib_ids, pairs) -> None:
+    """Reject bad requests before any work is done, with one-line fixes (the sparsity was parsed
+    where it entered; here only whether it fits this model's widths)."""
+    if not isinstance(sparsity, Sparsity):
+        raise TypeError(f"sparsity must be a Sparsity (Sparsity.parse({sparsity!r})), got {type(sparsity).__name__}")
+    if sparsity.nm is not None:
+        _check_nm_widths(model, family, sparsity.nm)
+    method = entry.name
+    if pairs is not None and not entry.paired:
+        raise UserError(f"paired data is used only by the paired methods (debias-sparsegpt), not {method}; drop the pairs or switch method")
+    if entry.uses_data and not entry.paired and calib_ids is None:
         raise UserError(f"{method} needs calibration data: pass calib_ids [n, seqlen] (see fairprune.data.text.calibration_ids)")
-    if method == "debias-sparsegpt" and pairs is None:
-        raise UserError("debias-sparsegpt needs paired data: pass pairs=(ids0, ids1) (see fairprune.data.text.paired_ids)")
+    if entry.paired and pairs is None:
+        raise UserError(f"{method} needs paired data: pass pairs=(ids0, ids1) (see fairprune.data.text.paired_ids)")
     vocab = model.get_input_embeddings().num_embeddings
     for ids in ([calib_ids] if calib_ids is not None else []) + list(pairs[:2] if pairs is not None else []):
         _check_ids(ids, vocab)

@@ -33,21 +33,7 @@ import torch
 from fairprune import distributed
 from fairprune.errors import UserError
 from fairprune.pruning.select import n_m, top_k
-
-
-def check_sparsity(sparsity: float) -> None:
-    """Unstructured sparsity must lie in [0, 1)."""
-    if sparsity is None or not 0.0 <= float(sparsity) < 1.0:
-        raise UserError(f"sparsity must be in [0, 1), got {sparsity}; e.g. --sparsity 0.5")
-
-
-def check_nm(nm: tuple[int, int], width: int | None = None) -> None:
-    """N:M needs 1 ≤ N < M, and M must divide the layer width when one is given."""
-    n, m = nm
-    if not 1 <= n < m:
-        raise UserError(f"N:M sparsity needs 1 <= N < M, got {n}:{m}; e.g. 2:4")
-    if width is not None and width % m:
-        raise UserError(f"N:M sparsity {n}:{m}: M={m} does not divide the layer width {width}; pick an M that does")
+from fairprune.pruning.sparsity import Sparsity
 
 
 def _tokens(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -153,7 +139,7 @@ def inverse_hessian_cholesky(H: torch.Tensor, percdamp: float = 0.01, retries: i
                 return U
         if attempt < retries:
             percdamp = percdamp * 10 if percdamp > 0 else 0.01
-            warnings.warn(f"SparseGPT: Hessian not positive definite; retrying with percdamp={percdamp:g}")
+            warnings.warn(f"SparseGPT: Hessian not positive definite; retrying with percdamp={percdamp:g}", stacklevel=2)
     raise UserError(
         f"SparseGPT: Hessian is not positive definite even with percdamp={percdamp:g}; "
         "use more calibration samples or a larger percdamp"
@@ -163,23 +149,24 @@ def inverse_hessian_cholesky(H: torch.Tensor, percdamp: float = 0.01, retries: i
 def sparsegpt_solve(
     W: torch.Tensor,
     H: torch.Tensor,
-    sparsity: float | None = None,
-    nm: tuple[int, int] | None = None,
+    sparsity: Sparsity,
     blocksize: int = 128,
     percdamp: float = 0.01,
 ) -> torch.Tensor:
     """Prune ``W`` [out, in] against Hessian ``H`` [in, in]; return the updated copy in H's dtype.
 
-    Give ``sparsity`` (unstructured; exactly ``floor(sparsity·out·in)`` weights are removed) or
-    ``nm`` (N of every M consecutive input columns per output row). Zeros of the result are the mask.
+    ``sparsity``: a fraction (unstructured; exactly ``floor(fraction·out·in)`` weights are
+    removed) or N:M (N of every M consecutive input columns per output row), see
+    :class:`~fairprune.pruning.sparsity.Sparsity`. Zeros of the result are the mask.
     """
     rows, cols = W.shape
+    nm = sparsity.nm
     if nm is not None:
-        check_nm(nm, cols)
         n, m = nm
+        if cols % m:
+            raise ValueError(f"N:M {n}:{m}: M does not divide the layer width {cols} (checked per model by check_pattern_fits)")
         blocksize = max(m, blocksize // m * m)  # an N:M group never straddles two blocks
-    else:
-        check_sparsity(sparsity)
+    fraction = sparsity.fraction
     W = W.to(H.dtype, copy=True)
     H = H.clone()
     dead = H.diagonal() == 0  # inputs that are always zero: weight is irrelevant, prune it
@@ -195,7 +182,7 @@ def sparsegpt_solve(
         # mask1: True = prune (the complement of the keep masks from fairprune.pruning.select).
         if nm is None:
             # Cumulative floor so the layer total is exact whatever the block widths.
-            k = math.floor(sparsity * rows * i2) - math.floor(sparsity * rows * i1)
+            k = math.floor(fraction * rows * i2) - math.floor(fraction * rows * i1)
             mask1 = ~top_k(W1**2 / d**2, W1.numel() - k)
         else:
             mask1 = torch.zeros_like(W1, dtype=torch.bool)

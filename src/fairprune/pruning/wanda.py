@@ -13,7 +13,7 @@ import torch
 
 from fairprune import distributed
 from fairprune.pruning.select import n_m, top_k_per_row
-from fairprune.pruning.sparsegpt import check_nm, check_sparsity
+from fairprune.pruning.sparsity import Sparsity
 
 
 class InputNorms:
@@ -34,14 +34,15 @@ class InputNorms:
         return distributed.all_reduce_sum(self.sq.clone()).sqrt()
 
 
-def wanda_mask(
-    W: torch.Tensor, norms: torch.Tensor, sparsity: float | None = None, nm: tuple[int, int] | None = None
-) -> torch.Tensor:
+def wanda_mask(W: torch.Tensor, norms: torch.Tensor, sparsity: Sparsity) -> torch.Tensor:
     """Mask (True = prune) of ``W`` [out, in] given input-column norms [in]: per row the lowest
-    ``floor(sparsity·in)`` scores, or with ``nm=(N, M)`` the lowest N of every M columns."""
+    ``floor(fraction·in)`` scores, or for N:M the lowest N of every M columns."""
     score = W.abs().float() * norms.to(W.device).float().unsqueeze(0)
-    if nm is not None:
-        check_nm(nm, score.shape[1])
-        return ~n_m(score, *nm)
-    check_sparsity(sparsity)
-    return ~top_k_per_row(score, score.shape[1] - int(score.shape[1] * sparsity))
+    if sparsity.nm is not None:
+        return ~n_m(score, *sparsity.nm)
+    return ~top_k_per_row(score, score.shape[1] - int(score.shape[1] * sparsity.fraction))
+
+
+def wanda_solve(W: torch.Tensor, norms: torch.Tensor, sparsity: Sparsity, **_) -> torch.Tensor:
+    """One layer pruned by Wanda (the registry's layer solve): masked, not updated."""
+    return W.masked_fill(wanda_mask(W, norms, sparsity), 0)

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pandas as pd
 
-from fairprune.storage.atomic import write_csv, write_text
 from fairprune.reporting.html import write_html
 from fairprune.reporting.plots import plot_group_accuracy
+from fairprune.reporting.records import Row, as_dicts
 from fairprune.reporting.report import markdown, write_json
+from fairprune.storage.atomic import write_csv, write_text
 
 #: The column that tells repeated runs apart.
 SEED = "seed"
@@ -67,10 +69,11 @@ def _mean_sd(mean: Any, sd: Any) -> str:
     return f"{mean:.4f} ± {sd:.4f}"
 
 
-def write_comparison(rows: list[dict[str, Any]], output: str | os.PathLike, extra: dict[str, Any] | None = None,
+def write_comparison(rows: Sequence[Row | dict[str, Any]], output: str | os.PathLike, extra: dict[str, Any] | None = None,
                      index: str = "method", echo: bool = True, keys: Sequence[str] | None = None,
                      figures: Sequence[tuple[str | os.PathLike, str]] = (), title: str = "comparison") -> pd.DataFrame:
-    """Write the comparison of ``rows`` into ``output`` and return its table; ``echo`` prints it.
+    """Write the comparison of ``rows`` (records of :mod:`~fairprune.reporting.records`, or plain
+    dicts) into ``output`` and return its table; ``echo`` prints it.
 
     Rows with a ``seed`` column holding several seeds are repeated runs: ``comparison.csv`` holds
     one row per ``keys`` (default: every non-numeric column, e.g. method and sparsity) with
@@ -82,6 +85,7 @@ def write_comparison(rows: list[dict[str, Any]], output: str | os.PathLike, extr
     CPU threads, **extra}`` (and
     ``"aggregate"`` for repeated runs); it is written last, so a folder with a ``report.json``
     holds a finished comparison."""
+    rows = as_dicts(rows)
     raw = pd.DataFrame(rows)
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,9 @@ import datetime as _dt
 import html
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pandas as pd
 

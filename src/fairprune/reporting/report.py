@@ -17,6 +17,7 @@ import pandas as pd
 
 from fairprune.storage.atomic import write_text
 
+
 class Report(TypedDict, total=False):
     """A run's ``report.json``: one shape for every method and model (see the README).
 

@@ -13,9 +13,9 @@ import pandas as pd
 import torch
 import yaml
 
-from fairprune.storage.atomic import write_csv, write_text
 from fairprune.reporting.plots import plot_axis_correlation, plot_head_heatmap
 from fairprune.reporting.report import write_json
+from fairprune.storage.atomic import write_csv, write_text
 
 
 def write_lm_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any], config: dict[str, Any],
@@ -35,13 +35,13 @@ def write_lm_run(output: str | os.PathLike, model, tokenizer, report: dict[str, 
     return out
 
 
-def write_head_run(output: str | os.PathLike, model, tokenizer, run: Any, config: dict[str, Any]) -> Path:
-    """A head-pruning run's folder: the plots of ``run`` (a FASP run: ``impact``, ``axes``,
+def write_head_run(output: str | os.PathLike, model, tokenizer, result: Any, config: dict[str, Any]) -> Path:
+    """A head-pruning run's folder: the plots of ``result`` (a ``FaspResult``: ``impact``, ``axes``,
     ``protected``, ``removed``, ``bias_by_axis``), then the model and its report."""
     out = Path(output)
     out.mkdir(parents=True, exist_ok=True)
-    if run.impact is not None:
-        plot_head_heatmap(run.impact, run.axes, run.protected, run.removed, out / "heads_heatmap.png")
-    if run.bias_by_axis is not None:
-        plot_axis_correlation(run.bias_by_axis, out / "axis_correlation.png")
-    return write_lm_run(out, model, tokenizer, run.report, config)
+    if result.impact is not None:
+        plot_head_heatmap(result.impact, result.axes, result.protected, result.removed, out / "heads_heatmap.png")
+    if result.bias_by_axis is not None:
+        plot_axis_correlation(result.bias_by_axis, out / "axis_correlation.png")
+    return write_lm_run(out, model, tokenizer, result.report, config)

@@ -20,8 +20,9 @@ import socket
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from fairprune.errors import UserError
 from fairprune.storage.atomic import check_writable
@@ -129,7 +130,7 @@ class RunLock:
         return UserError(f"'{self.folder}' is in use by another run ({who}); wait for it to end or choose another "
                          f"output folder (if that run is gone, delete {self.path})")
 
-    def acquire(self) -> "RunLock":
+    def acquire(self) -> RunLock:
         """Take the lock, or raise a :class:`UserError` naming the run that holds it."""
         if self.held or _secondary_rank():
             return self
@@ -174,7 +175,7 @@ class RunLock:
         if _read(self.path).get("token") == self.token:
             self.path.unlink(missing_ok=True)
 
-    def __enter__(self) -> "RunLock":
+    def __enter__(self) -> RunLock:
         return self.acquire()
 
     def __exit__(self, *exc: Any) -> None:

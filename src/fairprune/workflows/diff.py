@@ -14,6 +14,7 @@ from torch import nn
 from fairprune.callbacks.diff_pruning import DiffPruning, root_model
 from fairprune.pruning import diff
 from fairprune.reporting.compare import write_comparison
+from fairprune.reporting.records import DiffRow
 from fairprune.storage.lock import locked
 
 
@@ -24,13 +25,9 @@ def _trainer(max_epochs: int, callbacks: list[L.Callback], **kwargs: Any) -> L.T
 
 
 def _row(method: str, module: L.LightningModule, trainer: L.Trainer, datamodule: L.LightningDataModule,
-         changed: float, stored: int, full: int) -> dict[str, Any]:
+         changed: float, stored: int, full: int) -> DiffRow:
     trainer.validate(module, datamodule=datamodule, verbose=False)
-    results = module.last_results["val"]
-    row = {"method": method, "accuracy": results["metrics"]["accuracy"]}
-    row.update({f"acc/{g}": v["accuracy"] for g, v in results["groups"].items() if "accuracy" in v})
-    row.update({"acc_gap": results["fairness"]["acc_gap"], "fraction_changed": changed, "stored_bytes": stored, "full_bytes": full})
-    return row
+    return DiffRow.from_report(module.last_results["val"], method, changed, stored, full)
 
 
 @torch.no_grad()
@@ -100,4 +97,4 @@ def compare_diff_pruning(module: L.LightningModule, datamodule: L.LightningDataM
     rows.append(_row("diff-pruning", gated, trainer, datamodule, diff.nonzero_fraction(root_model(gated)), saved["stored_bytes"], full))
     if output is not None:
         write_comparison(rows, out, {"target_fraction": target_fraction})
-    return pd.DataFrame(rows).set_index("method")
+    return pd.DataFrame([row.as_dict() for row in rows]).set_index("method")

@@ -22,20 +22,17 @@ from fairprune.data.prompts import read_prompts
 from fairprune.errors import UserError
 from fairprune.hub import load_model, load_tokenizer, resolve_device
 from fairprune.pruning import registry
+from fairprune.pruning.options import HeadOptions
 from fairprune.reporting.compare import write_comparison
-from fairprune.storage.lock import locked
+from fairprune.reporting.records import HeadRow
 from fairprune.reporting.runs import write_head_run
+from fairprune.storage.lock import locked
 from fairprune.workflows.launch import torchrun
-from fairprune.workflows.options import HeadOptions, LMOptions, RunOptions
+from fairprune.workflows.options import LMOptions, MachineOptions
 
 
-def _check_ratio(name: str, value: float | None) -> None:
-    if value is not None and not 0.0 <= value <= 1.0:
-        raise UserError(f"--{name} must be in [0, 1], got {value}")
-
-
-def _run(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alpha: float, output: Path,
-         run_options: RunOptions) -> dict[str, Any]:
+def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alpha: float, output: Path,
+                 machine: MachineOptions) -> dict[str, Any]:
     """Load the model, score / select / remove heads with ``method`` at ``alpha``; write the pruned
     model, its plots and ``report.json`` into ``output``."""
     from fairprune.pruning.fasp import Generation, run_fasp
@@ -44,22 +41,22 @@ def _run(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alpha: float
     prompts = read_prompts(heads.prompts) if heads.prompts else None
     scoring_text = read_text(lm.calib_text) if lm.calib_text else None
     eval_text = read_text(lm.eval_text) if lm.eval_text else None
-    run = run_fasp(model, tokenizer, prompts, scoring_text, method, heads.gamma, alpha, heads.axis, heads.scorer,
-                   output, eval_text=eval_text, generation=Generation(max_new_tokens=heads.max_new_tokens, seed=lm.seed),
-                   seqlen=lm.seqlen, seed=lm.seed, max_batch=heads.max_batch, progress=run_options.progress and distributed.is_main(),
-                   eval_tokens=lm.eval_tokens)
-    run.report["model"] = lm.model
+    result = run_fasp(model, tokenizer, prompts, scoring_text, method, heads.gamma, alpha, heads.axis, heads.scorer,
+                      output, eval_text=eval_text, generation=Generation(max_new_tokens=heads.max_new_tokens, seed=lm.seed),
+                      seqlen=lm.seqlen, seed=lm.seed, max_batch=heads.max_batch,
+                      progress=machine.progress and distributed.is_main(), eval_tokens=lm.eval_tokens)
+    result.report["model"] = lm.model
     config = {"method": method, **asdict(lm), **asdict(heads), "alpha": alpha}
     if distributed.is_main():
-        write_head_run(output, model.cpu(), tokenizer, run, config)
+        write_head_run(output, model.cpu(), tokenizer, result, config)
     distributed.barrier()
-    return run.report
+    return result.report
 
 
 @locked(lambda output, **_: output)
 @torchrun
 def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = HeadOptions(),
-         run: RunOptions = RunOptions()) -> dict[str, Any]:
+         machine: MachineOptions = MachineOptions()) -> dict[str, Any]:
     """FASP: remove the attention heads that most raise toxicity disparity, protecting the heads
     perplexity needs (or a baseline's choice). Writes the pruned model and ``report.json``,
     ``head_scores.csv`` and plots into ``output``.
@@ -69,13 +66,12 @@ def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = 
         output: folder for the pruned model, head_scores.csv, report.json and plots.
         method: fasp, fairness, performance, magnitude, gradient or random.
         heads: what to protect and remove, and how bias is measured.
-        run: threads and progress bars.
+        machine: threads and progress bars.
     """
+    machine.apply()
     registry.get(method, "heads")
-    _check_ratio("alpha", heads.alpha)
-    _check_ratio("gamma", heads.gamma)
     tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
-    report = _run(lm, tokenizer, method, heads, heads.alpha, Path(output), run)
+    report = _prune_heads(lm, tokenizer, method, heads, heads.alpha, Path(output), machine)
     if not distributed.is_main():
         return report
     bias = report.get("fairness", {}).get("bias", {})
@@ -94,17 +90,18 @@ def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = 
 @locked(lambda output, **_: output)
 @torchrun
 def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output: str,
-                  heads: HeadOptions = HeadOptions(), run_options: RunOptions = RunOptions()) -> pd.DataFrame:
+                  heads: HeadOptions = HeadOptions(), machine: MachineOptions = MachineOptions()) -> pd.DataFrame:
     """FASP and its baselines at several α from one model: heads are scored once (the first run
     writes ``head_scores.csv``; later runs resume from a copy of it), one table of bias and
     perplexity in ``output``."""
-    for method in methods:
-        registry.get(method, "heads")
+    machine.apply()
+    entries = {method: registry.get(method, "heads") for method in methods}
     for alpha in alphas:
-        _check_ratio("alphas", alpha)
-    _check_ratio("gamma", heads.gamma)
+        if not 0.0 <= alpha <= 1.0:
+            raise UserError(f"--alphas must be in [0, 1], got {alpha}")
     tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
-    out, rows, shared = Path(output), [], None
+    out, shared = Path(output), None
+    rows: list[HeadRow] = []
     start = time.perf_counter()
     for method in methods:
         for alpha in alphas:
@@ -115,16 +112,12 @@ def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output
                     for name in ("head_scores.csv", "head_scores.json"):
                         shutil.copy(shared / name, run / name)
                 print(f"[compare] {run.name} ...", flush=True)
-            report = _run(lm, tokenizer, method, heads, alpha, run, run_options)
+            report = _prune_heads(lm, tokenizer, method, heads, alpha, run, machine)
             if (run / "head_scores.csv").exists() and shared is None:
                 shared = run
             if not rows:
-                rows.append({"method": "dense", "alpha": 0.0, "gamma": None, "heads_removed": 0,
-                             "perplexity": report["reference"]["metrics"]["perplexity"],
-                             **{f"bias/{k}": v for k, v in report["reference"]["fairness"]["bias"].items()}})
-            rows.append({"method": method, "alpha": alpha, "gamma": report["gamma"] if method == "fasp" else None,
-                         "heads_removed": len(report["heads_removed"]), "perplexity": report["metrics"]["perplexity"],
-                         **{f"bias/{k}": v for k, v in report["fairness"]["bias"].items()}})
+                rows.append(HeadRow.dense(report))
+            rows.append(HeadRow.from_report(report, method, alpha, entries[method].protects))
     if not distributed.is_main():
-        return pd.DataFrame(rows)
+        return pd.DataFrame([row.as_dict() for row in rows])
     return write_comparison(rows, out, {"seconds": {"total": time.perf_counter() - start}})

@@ -29,26 +29,21 @@ import torch
 
 from fairprune import distributed
 from fairprune.data.pairs import LMTexts, lm_texts
-from fairprune.errors import UserError
 from fairprune.families import family_of
 from fairprune.hub import load_model, load_tokenizer, resolve_device
 from fairprune.metrics.language import eval_ids
 from fairprune.pruning import registry
-from fairprune.pruning.llm import check_pattern_fits, evaluation_facts, parse_sparsity, prune_and_measure, sparsity_by_layer
+from fairprune.pruning.llm import check_pattern_fits, evaluation_facts, prune_and_measure, sparsity_by_layer
+from fairprune.pruning.options import SolverOptions
+from fairprune.pruning.sparsity import Sparsity
 from fairprune.reporting.compare import write_comparison
-from fairprune.storage.lock import locked
+from fairprune.reporting.records import LMRow
 from fairprune.reporting.report import write_json
 from fairprune.reporting.runs import write_lm_run
+from fairprune.storage.lock import locked
 from fairprune.workflows.dense import DenseFigures, dense_figures
 from fairprune.workflows.launch import torchrun as _torchrun
-from fairprune.workflows.options import LMOptions, RunOptions, SolverOptions
-
-
-def _check_eval_tokens(lm: LMOptions) -> None:
-    """``--eval_tokens`` must leave at least one perplexity window (checked before anything loads)."""
-    if lm.eval_tokens is not None and lm.eval_tokens < lm.window:
-        raise UserError(f"--eval_tokens {lm.eval_tokens} is less than one perplexity window of {lm.window} tokens; "
-                        f"give at least {lm.window} or a smaller --eval_seqlen")
+from fairprune.workflows.options import LMOptions, MachineOptions
 
 
 def _load(lm: LMOptions, calibration: bool = True) -> tuple[LMTexts, Any, Any]:
@@ -58,17 +53,17 @@ def _load(lm: LMOptions, calibration: bool = True) -> tuple[LMTexts, Any, Any]:
     return texts, tokenizer, load_model(lm.model, "causal-lm", lm.trust_remote_code)
 
 
-def _dense(model, tokenizer, texts: LMTexts, lm: LMOptions, run: RunOptions) -> tuple[torch.Tensor, DenseFigures]:
+def _dense(model, tokenizer, texts: LMTexts, lm: LMOptions, machine: MachineOptions) -> tuple[torch.Tensor, DenseFigures]:
     """The evaluation ids (tokenized once, capped) and the dense model's figures (cache or measured)."""
     ids = eval_ids(texts.eval_text, tokenizer, lm.eval_tokens)
     dense = dense_figures(model, tokenizer, ids, texts.eval_pairs, lm.window, resolve_device(lm.device),
-                          eval_tokens=lm.eval_tokens, use_cache=lm.dense_cache, progress=run.progress)
+                          eval_tokens=lm.eval_tokens, use_cache=lm.dense_cache, progress=machine.progress)
     return ids, dense
 
 
-def prune_loaded(model, tokenizer, method: str, sparsity: str, output: str | Path, texts, lm: LMOptions,
+def prune_loaded(model, tokenizer, method: str, sparsity: Sparsity, output: str | Path, texts, lm: LMOptions,
                  solver: SolverOptions, config: dict[str, Any], *, ids: torch.Tensor | None = None,
-                 dense: DenseFigures | None = None, shared_dense: bool = False, run: RunOptions = RunOptions(),
+                 dense: DenseFigures | None = None, shared_dense: bool = False, machine: MachineOptions = MachineOptions(),
                  load_seconds: float = 0.0) -> dict[str, Any]:
     """Prune a loaded model in place, measure it (and the dense model unless ``dense`` is given),
     save it and its report. ``ids``: the evaluation text already tokenized. Timings: this run's
@@ -79,7 +74,7 @@ def prune_loaded(model, tokenizer, method: str, sparsity: str, output: str | Pat
                                        eval_seqlen=lm.window, device=resolve_device(lm.device), seed=lm.seed,
                                        percdamp=solver.percdamp, blocksize=solver.blocksize, eval_tokens=lm.eval_tokens,
                                        eval_ids=ids, dense=None if dense is None else dense.metrics,
-                                       progress=run.progress)
+                                       progress=machine.progress)
     report = {"method": method, "model": lm.model, **report, "threads": torch.get_num_threads()}
     if dense is not None:
         report["reference"].update(from_cache=dense.from_cache, seconds=dense.seconds)
@@ -98,14 +93,14 @@ def prune_loaded(model, tokenizer, method: str, sparsity: str, output: str | Pat
     return report
 
 
-def _config(lm: LMOptions, run: RunOptions, **fields: Any) -> dict[str, Any]:
-    return {**fields, **asdict(lm), **asdict(run)}
+def _config(lm: LMOptions, machine: MachineOptions, **fields: Any) -> dict[str, Any]:
+    return {**fields, **asdict(lm), **asdict(machine)}
 
 
 @locked(lambda output, **_: output)
 @_torchrun
 def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm: str | None = None,
-             solver: SolverOptions = SolverOptions(), run: RunOptions = RunOptions()) -> dict[str, Any]:
+             solver: SolverOptions = SolverOptions(), machine: MachineOptions = MachineOptions()) -> dict[str, Any]:
     """Post-training pruning of a causal LM: load, measure, prune, measure again; writes the pruned
     model (``from_pretrained`` loads ``output``), ``report.json``, ``sparsity.csv``, ``config.yaml``.
 
@@ -116,40 +111,37 @@ def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm:
         sparsity: fraction in [0, 1) or N:M such as 2:4.
         nm: N:M pattern (the same as --sparsity 2:4).
         solver: SparseGPT's settings.
-        run: threads and progress bars.
+        machine: threads and progress bars.
     """
     start = time.perf_counter()
-    run.apply()
+    machine.apply()
     registry.get(method, "lm")
-    sparsity = nm or sparsity
-    parse_sparsity(sparsity)  # a bad value fails before the model loads
-    _check_eval_tokens(lm)
+    sparsity = Sparsity.parse(nm or sparsity)  # a bad value fails before the model loads
     texts, tokenizer, model = _load(lm)
     check_pattern_fits(model, sparsity)  # N:M against the layer widths, before the dense model is measured
     load_seconds = time.perf_counter() - start
-    ids, dense = _dense(model, tokenizer, texts, lm, run)
-    config = _config(lm, run, method=method, sparsity=str(sparsity), **asdict(solver))
+    ids, dense = _dense(model, tokenizer, texts, lm, machine)
+    config = _config(lm, machine, method=method, sparsity=str(sparsity), **asdict(solver))
     return prune_loaded(model, tokenizer, method, sparsity, output, texts, lm, solver, config, ids=ids, dense=dense,
-                        run=run, load_seconds=load_seconds)
+                        machine=machine, load_seconds=load_seconds)
 
 
 @locked(lambda output, **_: output)
 @_torchrun
-def evaluate_lm(lm: LMOptions, output: str | None = None, run: RunOptions = RunOptions()) -> dict[str, Any]:
+def evaluate_lm(lm: LMOptions, output: str | None = None, machine: MachineOptions = MachineOptions()) -> dict[str, Any]:
     """Perplexity, stereotype score and sparsity of any causal LM (from the cache when an earlier
     run measured the same weights on the same texts with the same settings).
 
     Args:
         lm: the model and its texts.
         output: folder for report.json (none: print only).
-        run: threads and progress bars.
+        machine: threads and progress bars.
     """
     start = time.perf_counter()
-    run.apply()
-    _check_eval_tokens(lm)
+    machine.apply()
     texts, tokenizer, model = _load(lm, calibration=False)
     loaded = time.perf_counter()
-    ids, figures = _dense(model, tokenizer, texts, lm, run)
+    ids, figures = _dense(model, tokenizer, texts, lm, machine)
     layers = sparsity_by_layer(model, family_of(model))
     report = {"method": "evaluate", "model": lm.model, "achieved_sparsity": layers.pop("__total__"),
               "metrics": figures.metrics, "from_cache": figures.from_cache,
@@ -168,44 +160,39 @@ def evaluate_lm(lm: LMOptions, output: str | None = None, run: RunOptions = RunO
 
 @locked(lambda output, **_: output)
 @_torchrun
-def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str], output: str,
-               solver: SolverOptions = SolverOptions(), run: RunOptions = RunOptions()) -> pd.DataFrame:
+def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float | Sparsity], output: str,
+               solver: SolverOptions = SolverOptions(), machine: MachineOptions = MachineOptions()) -> pd.DataFrame:
     """Every method at every sparsity from one model: one run folder each (``<method>_<sparsity>``)
     and one comparison in ``output``. The dense model is measured once (or taken from the cache),
     and its figures are every run's reference."""
     start = time.perf_counter()
-    run.apply()
+    machine.apply()
     for method in methods:
         registry.get(method, "lm")
-    for s in sparsities:
-        parse_sparsity(s)
-    _check_eval_tokens(lm)
+    sparsities = [Sparsity.parse(s) for s in sparsities]
     texts, tokenizer, model = _load(lm)
     for s in sparsities:  # every N:M pattern must fit the layer widths before the first run
         check_pattern_fits(model, s)
     load_seconds = time.perf_counter() - start
-    ids, dense = _dense(model, tokenizer, texts, lm, run)
+    ids, dense = _dense(model, tokenizer, texts, lm, machine)
     dense_zeros = sparsity_by_layer(model, family_of(model))["__total__"]
-    rows: list[dict[str, Any]] = [{"method": "dense", "sparsity": "0", "achieved_sparsity": dense_zeros,
-                                   **dense.metrics, "prune_seconds": 0.0, "seconds": dense.seconds}]
+    rows = [LMRow.dense(dense.metrics, dense_zeros, dense.seconds)]
     for method in methods:
         for s in sparsities:
-            name = f"{method}_{str(s).replace(':', 'of')}"
-            if distributed.is_main() and run.progress:
+            name = f"{method}_{s.label}"
+            if distributed.is_main() and machine.progress:
                 print(f"[compare] {name} ...", flush=True)
             tick = time.perf_counter()
             if model is None:  # the first run prunes the model the dense figures came from
                 model = load_model(lm.model, "causal-lm", lm.trust_remote_code)
                 load_seconds = time.perf_counter() - tick
-            config = _config(lm, run, method=method, sparsity=str(s), **asdict(solver))
-            report = prune_loaded(model, tokenizer, method, str(s), Path(output) / name, texts, lm, solver, config,
-                                  ids=ids, dense=dense, shared_dense=True, run=run, load_seconds=load_seconds)
+            config = _config(lm, machine, method=method, sparsity=str(s), **asdict(solver))
+            report = prune_loaded(model, tokenizer, method, s, Path(output) / name, texts, lm, solver, config,
+                                  ids=ids, dense=dense, shared_dense=True, machine=machine, load_seconds=load_seconds)
             model = None
-            rows.append({"method": method, "sparsity": str(s), "achieved_sparsity": report["achieved_sparsity"],
-                         **report["metrics"], "prune_seconds": report["seconds"]["prune"],
-                         "seconds": report["seconds"]["total"]})
+            rows.append(LMRow.from_report(report, method, str(s)))
     if not distributed.is_main():
-        return pd.DataFrame(rows)
+        return pd.DataFrame([row.as_dict() for row in rows])
     extra = {"reference": {"method": "dense", "metrics": dense.metrics, "from_cache": dense.from_cache,
                            "dense_zero_fraction": dense_zeros, "seconds": dense.seconds},
              "evaluation": evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer),

@@ -1,4 +1,5 @@
-"""The typed option groups the workflows take and ``prune.py`` exposes.
+"""The typed option groups the workflows take and ``prune.py`` exposes (the methods' own option
+types, ``CalibrationOptions``, ``SolverOptions`` and ``HeadOptions``, are in :mod:`fairprune.pruning.options`).
 
 ``prune.py`` is built from the workflow functions' signatures: a parameter typed with one of these
 dataclasses becomes a group of flat options (``--model``, ``--seqlen``, ...) shared by every command
@@ -11,57 +12,36 @@ This module imports nothing heavy: ``prune.py --help`` reads it without loading 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypedDict
 
 from fairprune.errors import UserError
+from fairprune.pruning.options import CalibrationOptions
 
 
-@dataclass
-class LMOptions:
-    """What every LM command shares: the model, its texts, where it runs.
+@dataclass(frozen=True)
+class LMOptions(CalibrationOptions):
+    """What every LM command shares: the model, its texts, where it runs (the calibration and
+    measuring settings are :class:`~fairprune.pruning.options.CalibrationOptions`, which the
+    ``PostTrainingPruning`` callback takes too).
 
     Args:
         model: hub name or folder of a causal LM (e.g. runs/lm/tiny_gpt2/model).
         calib_text: text file or folder of *.txt the method calibrates or scores on (default: the bundled corpus).
         eval_text: text measured for perplexity, e.g. WikiText-2 raw test (default: the bundled corpus).
-        pairs: StereoSet JSON or CrowS-Pairs CSV (default: the bundled pairs).
-        nsamples: calibration windows.
-        seqlen: calibration / scoring window length.
-        eval_seqlen: perplexity window length (default: seqlen).
-        device: auto, cpu, cuda, cuda:1 ...
-        seed: seed of the calibration sample, the pair split and generation.
         trust_remote_code: allow a hub model's own code to run.
-        eval_tokens: measure perplexity on the first N tokens of eval_text only (default: all of it); the stereotype pairs are unaffected.
         dense_cache: reuse the dense model's figures measured by an earlier run with the same weights, texts and settings (kept in the project cache, .cache/fairprune/dense); false: measure again.
     """
 
-    model: str
+    model: str = field(kw_only=True)
     calib_text: str | None = None
     eval_text: str | None = None
-    pairs: str | None = None
-    nsamples: int = 128
-    seqlen: int = 128
-    eval_seqlen: int | None = None
-    device: str = "auto"
-    seed: int = 0
     trust_remote_code: bool = False
-    eval_tokens: int | None = None
     dense_cache: bool = True
 
-    def __post_init__(self) -> None:
-        from fairprune.hub import resolve_device
 
-        resolve_device(self.device)  # an unknown or absent device is refused before any loading
-
-    @property
-    def window(self) -> int:
-        """The perplexity window."""
-        return self.eval_seqlen or self.seqlen
-
-
-@dataclass
-class RunOptions:
+@dataclass(frozen=True)
+class MachineOptions:
     """How a command runs on this machine; every prune.py command takes these.
 
     Args:
@@ -109,44 +89,6 @@ class RunOptions:
             numba.set_num_threads(min(self.threads, numba.config.NUMBA_NUM_THREADS))
         # torch last: numba's OpenMP layer resets the OpenMP thread count torch reads.
         torch.set_num_threads(self.threads)
-
-
-@dataclass
-class SolverOptions:
-    """SparseGPT's solver settings.
-
-    Args:
-        percdamp: damping added to diag(H), as a fraction of its mean.
-        blocksize: columns solved per block.
-    """
-
-    percdamp: float = 0.01
-    blocksize: int = 128
-
-
-@dataclass
-class HeadOptions:
-    """Attention-head pruning (FASP and its baselines).
-
-    Args:
-        gamma: share of heads protected for perplexity; null = search on the validation prompts.
-        alpha: share of all heads to remove.
-        axis: bias axis (gender_and_sex, race_ethnicity, ...) or 'all'.
-        scorer: 'auto' (jigsaw if toxic-comment-classifier is installed, else lexicon), 'jigsaw' or
-            'jigsaw:<label>' (offline Jigsaw classifier), 'lexicon' (bundled) or an HF classifier name or folder.
-        prompts: HolisticBias-format CSV (text,axis,bucket,descriptor); default bundled.
-        max_new_tokens: length of each generated continuation.
-        max_batch: rows per forward pass when many head configurations are scored together
-            (windows or prompts × configurations); null = chosen from the free memory.
-    """
-
-    gamma: float | None = 0.3
-    alpha: float = 0.1
-    axis: str = "gender_and_sex"
-    scorer: str = "auto"
-    prompts: str | None = None
-    max_new_tokens: int = 20
-    max_batch: int | None = None
 
 
 class TrainerOptions(TypedDict, total=False):

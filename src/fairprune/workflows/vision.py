@@ -29,16 +29,16 @@ from lightning.pytorch.utilities import rank_zero_only
 from fairprune import distributed
 from fairprune.callbacks.guards import FiniteCheck
 from fairprune.callbacks.history import remember_metrics
-from fairprune.callbacks.pruning import IterativePruning
 from fairprune.callbacks.progress import ProgressBar
+from fairprune.callbacks.pruning import IterativePruning
 from fairprune.callbacks.report import ReportWriter
 from fairprune.errors import UserError
-from fairprune.reporting.plots import plot_error_rate_changes, plot_group_shares
-from fairprune.storage.atomic import write_text
 from fairprune.reporting.compare import write_comparison
+from fairprune.reporting.plots import plot_error_rate_changes, plot_group_shares
+from fairprune.reporting.records import VisionReport, VisionRow
+from fairprune.storage.atomic import write_text
 from fairprune.storage.lock import locked
 from fairprune.workflows.options import DataOptions, TrainerOptions
-
 
 #: What the vision commands take as --ckpt, for error messages.
 VISION_CKPT = ("a checkpoint of a vision classifier with class and group names, written by train.py fit "
@@ -117,17 +117,17 @@ def prune_vision(
         resume: checkpoint of an interrupted pruning run to resume.
         seed: global seed.
     """
-    report, _ = _prune(ckpt, pruning, output, name, trainer, data, resume, seed)
+    report, _ = _prune(ckpt, pruning, IterativePruning(**pruning), output, name, trainer, data, resume, seed)
     print(f"[prune] {report.get('method')}: accuracy {report.get('metrics', {}).get('accuracy', float('nan')):.4f}, "
           f"sparsity {report.get('achieved_sparsity', float('nan')):.4f}")
     return report
 
 
-def _prune(ckpt: str, pruning: dict[str, Any], output: str, name: str | None, trainer: TrainerOptions | None,
-           data: DataOptions | None, resume: str | None = None, seed: int = 0) -> tuple[dict[str, Any], IterativePruning]:
+def _prune(ckpt: str, pruning: dict[str, Any], callback: IterativePruning, output: str, name: str | None,
+           trainer: TrainerOptions | None, data: DataOptions | None, resume: str | None = None,
+           seed: int = 0) -> tuple[dict[str, Any], IterativePruning]:
     """The run behind :func:`prune_vision`: its report and the pruning callback (FairGRAPE's shares)."""
     L.seed_everything(seed, workers=True, verbose=False)
-    callback = IterativePruning(**pruning)
     name = name or callback.method
     run = Path(output) / name
     model, datamodule = load_trained(ckpt, data)
@@ -207,19 +207,6 @@ def _earlier_cell(run: Path, config: dict[str, Any]) -> tuple[dict[str, Any] | N
     return None, str(last)
 
 
-def _row(report: dict[str, Any], method: str, target: float | None) -> dict[str, Any]:
-    row: dict[str, Any] = {"method": method, "target_sparsity": target,
-                           "achieved_sparsity": report.get("achieved_sparsity", 0.0),
-                           "accuracy": report["metrics"].get("accuracy")}
-    for group, values in report["groups"].items():
-        row[f"acc/{group}"] = values.get("accuracy")
-    fairness = report.get("fairness", {})
-    row["acc_gap"] = fairness.get("acc_gap")
-    row["degradation_std"] = fairness.get("degradation_std")
-    row["seconds"] = report.get("seconds", {}).get("total")
-    return row
-
-
 class _RecordClasses(L.Callback):
     """Writes the source checkpoint's model and data settings (class paths, arguments in their
     configuration form) into every checkpoint saved, as train.py's hold them, so
@@ -297,49 +284,52 @@ def compare_vision(
     seeds = list(seeds) if seeds else [seed]
     if len(set(seeds)) != len(seeds):
         raise UserError(f"seeds must differ from each other, got {seeds}")
-    for method in methods:  # validate every cell before the first long run starts
-        for sparsity in sparsities:
-            IterativePruning(**{**(pruning or {}), "method": method, "target_sparsity": sparsity})
+    # Every cell's settings and callback, built (and so checked) once, before the first long run starts.
+    plan: dict[tuple[int, str, float], tuple[dict[str, Any], IterativePruning]] = {}
+    for s in seeds:
+        for method in methods:
+            for sparsity in sparsities:
+                settings = {**(pruning or {}), "method": method, "target_sparsity": sparsity}
+                if len(seeds) > 1:
+                    settings["seed"] = s
+                plan[s, method, sparsity] = settings, IterativePruning(**settings)
     output = Path(output)
     repeated = len(seeds) > 1
-    rows: list[dict[str, Any]] = []
-    reports: dict[str, list[dict[str, Any]]] = {}
+    rows: list[VisionRow] = []
+    reports: dict[str, list[VisionReport]] = {}
     runs: dict[str, str] = {}
     shares: dict[str, list[pd.DataFrame]] = {}
     cells, start, recalibration = len(seeds) * len(methods) * len(sparsities), time.perf_counter(), None
     for s in seeds:
         base = output / f"seed{s}" if repeated else output
         source = train_dense(ckpt, base / "dense", s, trainer, data) if dense_per_seed else ckpt
-        dense_row = None
+        dense_seen = False
         for method in methods:
             for sparsity in sparsities:
                 name = f"{method}_s{sparsity:g}"
-                settings = {**(pruning or {}), "method": method, "target_sparsity": sparsity}
-                if repeated:
-                    settings["seed"] = s
+                settings, callback = plan[s, method, sparsity]
                 done = sum(len(r) for r in reports.values())
                 label = f"[compare] {name}{f' seed {s}' if repeated else ''} ({done + 1}/{cells})"
                 report, resume = _earlier_cell(base / name, _run_config(str(source), settings, str(base), name, trainer, data, s))
                 if report is not None:
                     print(f"{label}: finished earlier with the same settings, reusing {base / name}", flush=True)
-                    recalibration = IterativePruning(**settings).bn_recalibration
+                    recalibration = callback.bn_recalibration
                     shares_file = base / name / "group_shares.csv"
                     share_rows = pd.read_csv(shares_file) if shares_file.is_file() else pd.DataFrame()
                 else:
                     print(f"{label}{f': resuming from {resume}' if resume else ''} ...", flush=True)
-                    report, callback = _prune(str(source), settings, str(base), name, trainer, data, resume=resume, seed=s)
+                    report, _ = _prune(str(source), settings, callback, str(base), name, trainer, data, resume=resume, seed=s)
                     recalibration = callback.bn_recalibration
                     share_rows = pd.DataFrame(callback.share_rows())
                 reports.setdefault(name, []).append(report)
                 runs[f"seed{s}/{name}" if repeated else name] = str(base / name)
                 if len(share_rows):
                     shares.setdefault(name, []).append(share_rows.assign(seed=s))
-                if dense_row is None and "reference" in report:
-                    dense_row = _row(report["reference"], "dense", 0.0)
-                    rows.append({**dense_row, "seed": s} if repeated else dense_row)
-                row = _row(report, method, sparsity)
-                rows.append({**row, "seed": s} if repeated else row)
-    table = pd.DataFrame(rows)
+                if not dense_seen and "reference" in report:
+                    dense_seen = True
+                    rows.append(VisionRow.dense(report, seed=s if repeated else None))
+                rows.append(VisionRow.from_report(report, method, sparsity, seed=s if repeated else None))
+    table = pd.DataFrame([row.as_dict() for row in rows])
     if not distributed.is_main():  # under DDP every rank ran the cells; rank 0 writes the comparison
         return table
     figures = [(plot_error_rate_changes({n: (r if repeated else r[0]) for n, r in reports.items()},

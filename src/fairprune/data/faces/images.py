@@ -16,9 +16,9 @@ import json
 import os
 import tempfile
 import warnings
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterable
 
 import pandas as pd
 from PIL import Image

@@ -25,8 +25,8 @@ from __future__ import annotations
 import hashlib
 import re
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import pandas as pd

@@ -18,7 +18,12 @@ the overall accuracy.
 """
 
 from fairprune.metrics.group.functional import (
-    binary_fairness, flatten_result, group_rates, group_result, per_group_frame, result_values,
+    binary_fairness,
+    flatten_result,
+    group_rates,
+    group_result,
+    per_group_frame,
+    result_values,
 )
 from fairprune.metrics.group.metric import GroupRates
 

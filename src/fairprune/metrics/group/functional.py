@@ -15,7 +15,7 @@ Samples whose group is negative (unknown) are ignored everywhere, the overall ac
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional, Union
+from typing import Any
 
 import pandas as pd
 import torch
@@ -28,7 +28,7 @@ from fairprune.errors import UserError, suggest
 
 __all__ = ["group_rates", "group_result", "flatten_result", "result_values", "per_group_frame", "binary_fairness"]
 
-Reference = Union[Mapping[str, float], Tensor, Sequence[float], None]
+Reference = Mapping[str, float] | Tensor | Sequence[float] | None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -43,7 +43,7 @@ def _check_sizes(num_classes: int, num_groups: int) -> None:
         raise UserError(f"num_groups must be an integer >= 1, got {num_groups!r}")
 
 
-def _names(names: Optional[Sequence[str]], count: int, arg: str, count_arg: str) -> list[str]:
+def _names(names: Sequence[str] | None, count: int, arg: str, count_arg: str) -> list[str]:
     """Return ``count`` unique names, ``"0", "1", ...`` when none are given."""
     if names is None:
         return [str(i) for i in range(count)]
@@ -188,7 +188,7 @@ def _binary_parity(confusion: Tensor, present: Tensor) -> dict[str, Tensor]:
     }
 
 
-def group_result(confusion: Tensor, group_names: Sequence[str], reference: Optional[Tensor]) -> dict[str, Any]:
+def group_result(confusion: Tensor, group_names: Sequence[str], reference: Tensor | None) -> dict[str, Any]:
     """The result from a ``[G, C, C]`` confusion tensor, nested the way reports hold it:
     ``{"metrics": {"accuracy"}, "groups": {name: {"accuracy", "fpr", "fnr", "count", "present",
     "degradation"}}, "fairness": {"acc_gap", "acc_std", ...}}`` (0-d tensors; an absent group has
@@ -243,7 +243,7 @@ def result_values(result: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _group_rates_compute(
-    confusion: Tensor, group_names: Sequence[str], reference: Optional[Tensor]
+    confusion: Tensor, group_names: Sequence[str], reference: Tensor | None
 ) -> dict[str, Tensor]:
     """The flat result dict from a ``[G, C, C]`` confusion tensor; see :class:`GroupRates`."""
     return flatten_result(group_result(confusion, group_names, reference))
@@ -276,7 +276,7 @@ def group_rates(
     groups: Tensor,
     num_classes: int,
     num_groups: int,
-    group_names: Optional[Sequence[str]] = None,
+    group_names: Sequence[str] | None = None,
     reference: Reference = None,
 ) -> dict[str, Tensor]:
     """Per-group accuracy, FPR, FNR, their gap and the degradation against a reference, in one call.

@@ -8,7 +8,7 @@ hands both to the same function as :func:`~fairprune.metrics.group.group_rates`.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -20,9 +20,9 @@ from fairprune.metrics.group.functional import (
     _check_sizes,
     _group_confusion,
     _group_rates_compute,
-    group_result,
     _names,
     _reference_tensor,
+    group_result,
 )
 
 __all__ = ["GroupRates"]
@@ -86,7 +86,7 @@ class GroupRates(Metric):
     """
 
     is_differentiable: bool = False
-    higher_is_better: Optional[bool] = None  # accuracy up, gaps and error rates down
+    higher_is_better: bool | None = None  # accuracy up, gaps and error rates down
     full_state_update: bool = False
     plot_lower_bound: float = 0.0
     plot_upper_bound: float = 1.0
@@ -98,8 +98,8 @@ class GroupRates(Metric):
         self,
         num_classes: int,
         num_groups: int,
-        group_names: Optional[Sequence[str]] = None,
-        class_names: Optional[Sequence[str]] = None,
+        group_names: Sequence[str] | None = None,
+        class_names: Sequence[str] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(**kwargs)

@@ -24,8 +24,8 @@ its prompt prefill is not shared between configurations.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F

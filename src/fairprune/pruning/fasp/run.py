@@ -6,9 +6,10 @@ the caller (:func:`fairprune.reporting.runs.write_head_run`); the only file writ
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import pandas as pd
 from torch import nn
@@ -26,7 +27,7 @@ from fairprune.pruning.heads import HeadGates, remove_heads
 
 
 @dataclass
-class FaspRun:
+class FaspResult:
     """A finished head-pruning run: its report and what its plots show."""
 
     report: dict[str, Any]
@@ -63,7 +64,7 @@ def run_fasp(
     eval_tokens: int | None = None,
     max_batch: int | None = None,
     batched: bool = True,
-) -> FaspRun:
+) -> FaspResult:
     """Score, select and remove heads in place; return the run (report and plot data).
 
     ``prompts`` defaults to the bundled HolisticBias-format set, ``ppl_text`` to the validation
@@ -104,9 +105,9 @@ def run_fasp(
         if a not in set(val_prompts.axis):
             raise UserError(f"no prompts for axis {a!r}{suggest(a, val_prompts.axis.unique())}; "
                             f"axes present: {', '.join(sorted(val_prompts.axis.unique()))}")
-    registry.get(method, "heads")
+    entry = registry.get(method, "heads")
     # Fail on impossible ratios before the expensive part.
-    counts(HeadGates(model).values.numel(), gamma if method == "fasp" and gamma is not None else 0.0, alpha)
+    counts(HeadGates(model).values.numel(), gamma if entry.protects and gamma is not None else 0.0, alpha)
 
     tick = time.perf_counter()
     with distributed.local():  # every rank measures the whole set: the same figures everywhere
@@ -114,12 +115,12 @@ def run_fasp(
     seconds["reference"] = time.perf_counter() - tick
 
     gates, scores, search = HeadGates(model), None, None
-    if method in ("fasp", "fairness", "performance"):
+    if entry.scored:
         tick = time.perf_counter()
         scores = score_heads(on_val, out / "head_scores.csv", gates, progress, batched=batched)
         seconds["scoring"] = time.perf_counter() - tick
     tick = time.perf_counter()
-    if method == "fasp" and gamma is None:  # the trials are shared out under torchrun
+    if entry.protects and gamma is None:  # search γ; the trials are shared out under torchrun
         search = search_gamma(on_val, scores, alpha, axes, gammas, tolerance=tolerance, seed=seed, gates=gates,
                               batched=batched)
         gamma = search["gamma"]
@@ -149,6 +150,6 @@ def run_fasp(
         "gamma_search": search, "seconds": seconds,
     }
     scored = scores is not None
-    return FaspRun(report, axes, list(selection.protected), list(selection.removed),
+    return FaspResult(report, axes, list(selection.protected), list(selection.removed),
                    head_bias_impact(scores, axes) if scored else None,
                    head_bias_by_axis(scores) if scored and (len(axes) > 1 or prompts.axis.nunique() > 1) else None)

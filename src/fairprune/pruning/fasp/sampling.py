@@ -24,8 +24,8 @@ text ends there; the loop stops when every row is finished or after ``max_new_to
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 from torch import nn

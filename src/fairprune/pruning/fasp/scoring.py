@@ -14,10 +14,10 @@ import csv
 import hashlib
 import io
 import json
+from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import pandas as pd

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import pandas as pd
 import torch
@@ -90,34 +90,71 @@ def gradient_importance(model: nn.Module, ids: torch.Tensor, seqlen: int, batch_
     return importance
 
 
+@dataclass
+class HeadContext:
+    """What a head-selection method may use: the ratios, the per-head scores (scored methods),
+    the model, and the perplexity text for gradient importance."""
+
+    alpha: float
+    gamma: float = 0.0
+    scores: pd.DataFrame | None = None
+    model: nn.Module | None = None
+    axes: Sequence[str] = ()
+    ppl_ids: torch.Tensor | None = None
+    seqlen: int = 128
+    batch_size: int = 4
+    seed: int = 0
+
+    def grid(self) -> tuple[int, int]:
+        """(layers, heads per layer), from the scores or the model."""
+        if self.scores is not None:
+            heads = _heads_only(self.scores)
+            return int(heads.layer.max()) + 1, int(heads["head"].max()) + 1
+        return tuple(HeadGates(self.model).values.shape)
+
+    def removals(self) -> int:
+        """⌊α·N_h⌋, the number of heads to remove."""
+        layers, heads = self.grid()
+        return counts(layers * heads, 0.0, self.alpha)[1]
+
+
 def select_heads(method: str, alpha: float, *, scores: pd.DataFrame | None = None, model: nn.Module | None = None,
                  axes: Sequence[str] = (), gamma: float = 0.0, ppl_ids: torch.Tensor | None = None,
                  seqlen: int = 128, batch_size: int = 4, seed: int = 0) -> Selection:
-    """The heads ``method`` removes at ratio ``α`` (FASP or a baseline, the registry's ``heads`` kind)."""
-    registry.get(method, "heads")
-    if method in ("fasp", "fairness", "performance") and scores is None:
+    """The heads ``method`` removes at ratio ``α`` (FASP or a baseline: the registry's ``heads`` kind)."""
+    entry = registry.get(method, "heads")
+    if entry.scored and scores is None:
         raise UserError(f"method {method!r} needs head scores; run score_heads first")
-    if method == "fasp":
-        return select_fasp(scores, gamma, alpha, axes)
-    if method == "fairness":
-        return select_fasp(scores, 0.0, alpha, axes)
-    if scores is not None:
-        n_layers, n_heads = int(_heads_only(scores).layer.max()) + 1, int(_heads_only(scores)["head"].max()) + 1
-    else:
-        gates = HeadGates(model)
-        n_layers, n_heads = gates.values.shape
-    _, k = counts(n_layers * n_heads, 0.0, alpha)
-    if method == "performance":
-        heads = _heads_only(scores)
-        return Selection(_lowest(torch.tensor(heads.perplexity.to_numpy()).view(n_layers, n_heads), k), [])
-    if method == "magnitude":
-        return Selection(_lowest(head_weight_norms(model), k), [])
-    if method == "gradient":
-        if ppl_ids is None:
-            raise UserError("the gradient baseline needs perplexity text (ppl_ids)")
-        return Selection(_lowest(gradient_importance(model, ppl_ids, seqlen, batch_size), k), [])
-    order = torch.randperm(n_layers * n_heads, generator=torch.Generator().manual_seed(seed))
-    return Selection(sorted((int(i) // n_heads, int(i) % n_heads) for i in order[:k]), [])
+    return entry.select(HeadContext(alpha, gamma, scores, model, axes, ppl_ids, seqlen, batch_size, seed))
+
+
+def select_fasp_heads(c: HeadContext) -> Selection:
+    return select_fasp(c.scores, c.gamma, c.alpha, c.axes)
+
+
+def select_fairness_heads(c: HeadContext) -> Selection:
+    return select_fasp(c.scores, 0.0, c.alpha, c.axes)
+
+
+def select_performance_heads(c: HeadContext) -> Selection:
+    heads = _heads_only(c.scores)
+    return Selection(_lowest(torch.tensor(heads.perplexity.to_numpy()).view(*c.grid()), c.removals()), [])
+
+
+def select_magnitude_heads(c: HeadContext) -> Selection:
+    return Selection(_lowest(head_weight_norms(c.model), c.removals()), [])
+
+
+def select_gradient_heads(c: HeadContext) -> Selection:
+    if c.ppl_ids is None:
+        raise UserError("the gradient baseline needs perplexity text (ppl_ids)")
+    return Selection(_lowest(gradient_importance(c.model, c.ppl_ids, c.seqlen, c.batch_size), c.removals()), [])
+
+
+def select_random_heads(c: HeadContext) -> Selection:
+    n_layers, n_heads = c.grid()
+    order = torch.randperm(n_layers * n_heads, generator=torch.Generator().manual_seed(c.seed))
+    return Selection(sorted((int(i) // n_heads, int(i) % n_heads) for i in order[:c.removals()]), [])
 
 
 def search_gamma(evaluate: Evaluator, scores: pd.DataFrame, alpha: float, axes: Sequence[str],
@@ -161,10 +198,10 @@ def search_gamma(evaluate: Evaluator, scores: pd.DataFrame, alpha: float, axes: 
     results = across_ranks(planned, compute, axes_all)  # under torchrun each rank measures its share of the trials
     trials = [{"method": method, "gamma": gamma, **_summary(result, removed, axes)}
               for (method, gamma, removed), result in zip(planned, results)]
-    fasp = [t for t in trials if t["method"] == "fasp"]
+    fasp = [t for t in trials if t["gamma"] is not None]  # the baselines' trials have no γ
     if not fasp:
         raise UserError(f"no gamma in {list(gammas)} leaves room to remove alpha={alpha} of the heads; lower alpha")
-    best_baseline = min((t["perplexity"] for t in trials if t["method"] != "fasp"), default=math.inf)
+    best_baseline = min((t["perplexity"] for t in trials if t["gamma"] is None), default=math.inf)
     within = [t for t in fasp if t["perplexity"] <= best_baseline * (1 + tolerance)]
     pick = min(within, key=lambda t: t["objective"]) if within else min(fasp, key=lambda t: t["perplexity"])
     return {"gamma": pick["gamma"], "best_baseline_perplexity": best_baseline, "tolerance": tolerance,
