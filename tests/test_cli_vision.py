@@ -61,11 +61,12 @@ def test_fit_then_test_writes_run_folder(tmp_path):
         assert f"val/acc/{group}" in metrics.columns or f"val/count/{group}" in metrics.columns
     assert {"val/acc", "val/acc_gap", "val/acc_std", "val/demographic_parity"} <= set(metrics.columns)
     assert main(["test", *args, "--ckpt_path", str(run / "checkpoints" / "last.ckpt")]) == 0
-    report = json.loads((run / "report.json").read_text())
+    tested = run / "test"  # beside the fit's files, not over them
+    report = json.loads((tested / "report.json").read_text())
     assert report["split"] == "test" and report["task"] == "gender" and report["dataset"] == "synthetic"
-    table = pd.read_csv(run / "groups.csv", index_col="group")
+    table = pd.read_csv(tested / "groups.csv", index_col="group")
     assert set(table.index) == set(report["groups"])
-    assert (run / "sparsity.csv").exists()
+    assert (tested / "sparsity.csv").exists()
 
 
 def _error(capsys, args) -> str:

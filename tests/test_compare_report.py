@@ -89,7 +89,8 @@ def test_vision_compare_over_seeds(dense_ckpt, tmp_path, one_thread):
     assert not all(torch.equal(dense[0][k], dense[1][k]) for k in dense[0] if k.endswith("weight"))
     # The table against the per-seed reports.
     table = pd.read_csv(out / "comparison.csv")
-    assert list(table["method"]) == ["dense", "magnitude", "fairgrape"] and (table["n"] == 2).all()
+    # The dense checkpoint, the compute-matched reference (it trained as long as the schedule retrains), the methods.
+    assert list(table["method"]) == ["dense", "dense +1 epochs", "magnitude", "fairgrape"] and (table["n"] == 2).all()
     for method in ("magnitude", "fairgrape"):
         reports = [json.loads((out / f"seed{s}" / f"{method}_s0.5" / "report.json").read_text()) for s in (0, 1)]
         records = [VisionRow.from_report(r, method, 0.5, seed=s) for s, r in zip((0, 1), reports)]
@@ -101,7 +102,7 @@ def test_vision_compare_over_seeds(dense_ckpt, tmp_path, one_thread):
         assert row[f"acc/{group}_mean"] == pytest.approx(statistics.mean(r.group_accuracy[group] for r in records))
         dense_accs = [VisionRow.dense(r).accuracy for r in reports]
     assert table.set_index("method").loc["dense", "accuracy_mean"] == pytest.approx(statistics.mean(dense_accs))
-    assert len(pd.read_csv(out / "comparison_runs.csv")) == 6  # dense, magnitude, fairgrape × 2 seeds
+    assert len(pd.read_csv(out / "comparison_runs.csv")) == 8  # dense, reference, magnitude, fairgrape × 2 seeds
     assert "±" in (out / "comparison.md").read_text()
     saved = json.loads((out / "report.json").read_text())
     assert saved["seeds"] == [0, 1] and saved["dense_per_seed"] is True and saved["bn_recalibration"] == 2
@@ -114,16 +115,21 @@ def test_one_seed_keeps_the_single_run_layout(dense_ckpt, tmp_path, one_thread):
     from fairprune.workflows.vision import compare_vision
 
     table = compare_vision(str(dense_ckpt), ["magnitude"], [0.5], ONE_STEP, str(tmp_path), FAST, seeds=[3])
-    assert list(table["method"]) == ["dense", "magnitude"]
+    assert list(table["method"]) == ["dense", "dense +1 epochs", "magnitude"]
     assert "accuracy" in table and "n" not in table and "seed" not in table
     assert (tmp_path / "magnitude_s0.5" / "report.json").is_file() and not list(tmp_path.glob("seed*"))
     report = json.loads((tmp_path / "magnitude_s0.5" / "report.json").read_text())
     assert report["bn_recalibration"]["batches"] == 2
-    # The table's rows are the records of the run's report and of its dense reference, column for column.
-    for row, record in zip(table.to_dict(orient="records"), [VisionRow.dense(report), VisionRow.from_report(report, "magnitude", 0.5)]):
+    # The table's rows are the records of the run's report, of the dense checkpoint and of the continued
+    # reference, column for column (the intervals follow them).
+    records = [VisionRow.dense(report), VisionRow.continued(report), VisionRow.from_report(report, "magnitude", 0.5)]
+    for row, record in zip(table.to_dict(orient="records"), records):
         expected = record.as_dict()
-        assert list(row) == list(expected)
-        assert {k: v for k, v in row.items() if not pd.isna(v)} == pytest.approx({k: v for k, v in expected.items() if v is not None})
+        assert list(row)[:len(expected)] == list(expected)
+        assert all(c.endswith(("_ci_low", "_ci_high", "_diff")) for c in list(row)[len(expected):])
+        got = {k: row[k] for k in expected if not pd.isna(row[k])}
+        assert got == pytest.approx({k: v for k, v in expected.items() if v is not None})
+        assert row["accuracy_ci_low"] <= row["accuracy"] <= row["accuracy_ci_high"]
     assert_self_contained(tmp_path / "report.html", ["dense", "magnitude"], images=2)
 
 
@@ -151,7 +157,10 @@ def test_lm_compare_writes_a_self_contained_page(tmp_path):
     wanda = LMRow.from_report(json.loads(next(out.glob("wanda_*/report.json")).read_text()), "wanda", "0.5").as_dict()
     assert list(table.columns) == list(wanda)
     figures = [c for c in wanda if c not in ("method", "sparsity")]
-    assert table.iloc[2][figures].tolist() == pytest.approx([wanda[c] for c in figures])
+    # A figure without data (no antistereo pair: that part of the stereotype score) is null in
+    # report.json and an empty cell in the CSV.
+    expected = [float("nan") if wanda[c] is None else wanda[c] for c in figures]
+    assert table.iloc[2][figures].tolist() == pytest.approx(expected, nan_ok=True)
     assert_self_contained(out / "report.html", ["dense", "magnitude", "wanda"], images=0)
 
 

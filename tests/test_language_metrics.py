@@ -4,8 +4,10 @@ pair set, the BPE tokenizer and the calibration batches."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
+import pickle
 
 import pytest
 import torch
@@ -25,9 +27,11 @@ from fairprune.data.text import (
 )
 from fairprune.errors import UserError
 from fairprune.metrics.language import (
+    measure_lm,
     perplexity,
     sentence_log_likelihoods,
     stereotype_score,
+    stereotype_scores,
 )
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -88,6 +92,30 @@ def test_perplexity_rejects_bad_inputs(model, tokenizer):
         perplexity(model, "some text", None, seqlen=8)
 
 
+@pytest.mark.parametrize("seqlen", [1, -3])
+def test_perplexity_window_needs_two_tokens(model, seqlen):
+    """A one-token window predicts nothing: refused, not a division by zero."""
+    with pytest.raises(UserError, match="at least 2 tokens"):
+        perplexity(model, torch.arange(40) % 50, seqlen=seqlen)
+
+
+@pytest.mark.parametrize("command", [["evaluate", "--eval_seqlen", "1"], ["sparsegpt", "--nsamples", "1", "--seqlen", "1"]])
+def test_lm_commands_refuse_windows_below_two_tokens(model, tokenizer, corpus, tmp_path, capsys, command):
+    """Refused where the options enter, before anything is loaded or written: one line, exit 2."""
+    from fairprune.cli.prune import main as prune_main
+
+    model.save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    (tmp_path / "eval.txt").write_text(corpus.validation)
+    args = [*command, "--model", str(tmp_path / "model"), "--device", "cpu", "--eval_text", str(tmp_path / "eval.txt"),
+            "--output", str(tmp_path / "out")]
+    capsys.readouterr()
+    assert prune_main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and command[-2] in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # Stereotype score
 # --------------------------------------------------------------------------------------------
@@ -115,9 +143,36 @@ def test_stereotype_score_known_answer(tokenizer):
         ("The nurse said that she left.", "The nurse said that he left."),  # stereotype wins
         ("The cashier knew she was late.", "The cashier knew he was late."),  # stereotype wins
         ("The pilot said that he left.", "The pilot said that she left."),  # anti wins
-        ("The clerk left.", "The clerk left."),  # tie: one half
+        ("The clerk left.", "The clerk left."),  # tie: neutral, counts 0 (as in the CrowS-Pairs metric)
     ]
-    assert stereotype_score(lm, tokenizer, pairs) == pytest.approx((1 + 1 + 0 + 0.5) / 4)
+    assert stereotype_score(lm, tokenizer, pairs) == pytest.approx((1 + 1 + 0 + 0) / 4)
+
+
+def test_stereotype_score_is_the_crows_pairs_metric(model, tokenizer, tmp_path):
+    """A CrowS-Pairs file of both kinds, scored by a real tiny model whose sentence log-likelihoods
+    decide each row: a row counts when sent_more is the likelier sentence, whatever its direction;
+    an equal pair is neutral and counts 0 in the headline (wins / all rows); each direction's part
+    is its wins over its decided (non-neutral) rows."""
+    sentences = [s for pair in stereo_pairs()[:12] for s in pair]
+    ll = dict(zip(sentences, sentence_log_likelihoods(model, tokenizer, sentences).tolist()))
+    ordered = [(a, b) if ll[a] > ll[b] else (b, a) for a, b in stereo_pairs()[:12] if abs(ll[a] - ll[b]) > 0.01]
+    (w1, w2, w3, w4, w5, w6), (same, _) = ordered[:6], ordered[6]  # (likelier, less likely) each
+    rows = [(*w1, "stereo"), (*w2, "stereo"), (w3[1], w3[0], "stereo"),  # stereo: 2 of 3 sent_more wins
+            (*w4, "antistereo"), (w5[1], w5[0], "antistereo"), (w6[1], w6[0], "antistereo"),  # anti: 1 of 3
+            (same, same, "stereo"), (same, same, "antistereo")]  # neutral
+    path = tmp_path / "crows.csv"
+    path.write_text("sent_more,sent_less,stereo_antistereo\n" + "".join(f'"{m}","{s}",{d}\n' for m, s, d in rows))
+    pairs = read_pairs(path)
+    assert [(m, s, p.direction) for p, (m, s) in zip(pairs, pairs)] == rows  # antistereo rows are not swapped
+    assert stereotype_score(model, tokenizer, pairs) == pytest.approx(3 / 8)
+    assert stereotype_scores(model, tokenizer, pairs) == {
+        "stereotype_score": pytest.approx(3 / 8), "stereotype_score_stereo": pytest.approx(2 / 3),
+        "stereotype_score_antistereo": pytest.approx(1 / 3), "stereotype_pairs_neutral": 2}
+    # Without antistereo rows (StereoSet, the bundled set) that part is undefined: NaN (null in a report), not 0.
+    only_stereo = stereotype_scores(model, tokenizer, [pair for pair in pairs if pair.direction == "stereo"])
+    assert math.isnan(only_stereo["stereotype_score_antistereo"]) and only_stereo["stereotype_score"] == pytest.approx(2 / 4)
+    measured = measure_lm(model, tokenizer, torch.arange(64) % len(tokenizer), pairs, seqlen=16, device="cpu")
+    assert {k: v for k, v in measured.items() if k != "perplexity"} == stereotype_scores(model, tokenizer, pairs)
 
 
 def test_sentence_log_likelihood_padding_and_direct(model, tokenizer):
@@ -150,20 +205,26 @@ def test_bundled_stereo_set_round_trips_through_reader(tmp_path):
     assert all("BLANK" in item["context"] for item in items)
 
 
-def test_crows_pairs_reader_swaps_antistereo_rows(tmp_path):
+def test_crows_pairs_reader_keeps_rows_and_direction(tmp_path):
+    """Every row is (sent_more, sent_less) as written, antistereo rows too (the CrowS-Pairs metric
+    asks in every row whether sent_more wins); the direction travels with the pair, which still
+    unpacks as a 2-tuple. No direction column, or StereoSet: stereo."""
     path = tmp_path / "crows.csv"
     path.write_text(
         "sent_more,sent_less,stereo_antistereo,bias_type\n"
         '"Poor people steal.","Rich people steal.",stereo,socioeconomic\n'
         '"Women are strong.","Men are strong.",antistereo,gender\n'
     )
-    assert read_crows_pairs(path) == [
-        ("Poor people steal.", "Rich people steal."),
-        ("Men are strong.", "Women are strong."),
-    ]
+    pairs = read_crows_pairs(path)
+    assert pairs == [("Poor people steal.", "Rich people steal."), ("Women are strong.", "Men are strong.")]
+    assert [pair.direction for pair in pairs] == ["stereo", "antistereo"]
+    more, less = pairs[1]
+    assert (more, less) == ("Women are strong.", "Men are strong.")
+    assert copy.deepcopy(pairs[1]).direction == pickle.loads(pickle.dumps(pairs[1])).direction == "antistereo"
     plain = tmp_path / "plain.csv"
     plain.write_text("sent_more,sent_less\nA b.,C d.\n")
-    assert read_pairs(plain) == [("A b.", "C d.")]
+    assert read_pairs(plain) == [("A b.", "C d.")] and read_pairs(plain)[0].direction == "stereo"
+    assert {pair.direction for pair in read_stereoset(write_stereo_set(tmp_path))} == {"stereo"}
 
 
 @pytest.mark.parametrize(
@@ -175,6 +236,8 @@ def test_crows_pairs_reader_swaps_antistereo_rows(tmp_path):
             {"sentences": [{"sentence": "x", "gold_label": "stereotype"}]}]}}), "anti-stereotype"),
         ("cols.csv", "sentence,label\na,b\n", "sent_less"),
         ("blank.csv", "sent_more,sent_less\nonly one,\n", "empty"),
+        ("direction.csv", "sent_more,sent_less,stereo_antistereo\na,b,stereo\nc,d,anti\n", "row 2.*'anti'.*antistereo"),
+        ("nodirection.csv", "sent_more,sent_less,stereo_antistereo\na,b,\n", "row 1.*stereo_antistereo"),
         ("pairs.txt", "x", "unknown pair-set format"),
     ],
 )

@@ -136,6 +136,30 @@ def test_hessian_is_running_average_of_2xxt():
     torch.testing.assert_close(acc.value(), want, rtol=1e-5, atol=1e-5)
 
 
+def test_statistics_do_not_depend_on_the_order_of_the_batches():
+    """The same batches in another order give the same statistics bit for bit, and an exact sum of
+    terms of very different magnitude does too (two ranks against one process: tests/test_torchrun.py)."""
+    from fairprune.distributed import ExactSum
+
+    g = torch.Generator().manual_seed(8)
+    batches = [torch.randn(1, 16, 64, generator=g) for _ in range(64)]
+    order = torch.randperm(64, generator=g).tolist()
+
+    def fed(stat, items):
+        for x in items:
+            (stat.add_pair(x, x.flip(1)) if isinstance(stat, PairedHessian) else stat.add_batch(x))
+        return stat
+
+    for make in (lambda: Hessian(64), lambda: PairedHessian(64), lambda: InputNorms(64)):
+        assert torch.equal(fed(make(), [batches[i] for i in order]).value(), fed(make(), batches).value())
+    terms = [torch.randn(5, 7, generator=g) * 10.0 ** (6 * (k % 3 - 1)) for k in range(30)]
+    sums = [ExactSum((5, 7)), ExactSum((5, 7))]
+    for k, other in enumerate(torch.randperm(30, generator=g).tolist()):
+        sums[0].add(terms[k])
+        sums[1].add(terms[other])  # the same terms in another order
+    assert len(sums[0].parts) == 3 and torch.equal(sums[0].total(), sums[1].total())
+
+
 def test_paired_hessian_matches_formula():
     g = torch.Generator().manual_seed(5)
     x0, x1 = torch.randn(3, 4, 5, generator=g), torch.randn(3, 4, 5, generator=g)

@@ -70,7 +70,8 @@ def test_fit_trains_then_prunes(trained):
     report = json.loads((trained / "pruned-sparsegpt" / "report.json").read_text())
     assert report["method"] == "sparsegpt" and report["achieved_sparsity"] == pytest.approx(0.5)
     # The pruned model and its dense reference are measured the same way.
-    assert set(report["metrics"]) == set(report["reference"]["metrics"]) == {"perplexity", "stereotype_score"}
+    assert set(report["metrics"]) == set(report["reference"]["metrics"]) == {
+        "perplexity", "stereotype_score", "stereotype_score_stereo", "stereotype_score_antistereo", "stereotype_pairs_neutral"}
     w_dense = dense.transformer.h[0].mlp.c_fc.weight
     w_pruned = pruned.transformer.h[0].mlp.c_fc.weight
     assert (w_pruned == 0).float().mean() == pytest.approx(0.5, abs=0.01)

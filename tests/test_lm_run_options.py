@@ -15,9 +15,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LM
 
 from fairprune.cli.prune import _bare_flags
 from fairprune.cli.prune import main as prune_main
+from fairprune.data.pairs import Pair
 from fairprune.data.text import lm_corpus, stereo_pairs, train_bpe_tokenizer
 from fairprune.metrics.language import eval_ids, perplexity
-from fairprune.workflows.dense import weights_digest
+from fairprune.workflows.dense import cache_key, weights_digest
 from fairprune.workflows.options import MachineOptions
 
 FAST = ["--seqlen", "32", "--nsamples", "4", "--device", "cpu"]
@@ -114,6 +115,18 @@ def test_dense_cache_hits_and_is_invalidated(lm, tmp_path, monkeypatch):
     assert fresh["reference"]["from_cache"] is False
     assert fresh["reference"]["metrics"] == first["reference"]["metrics"]
     assert len(list((tmp_path / "cache" / "dense").glob("*.json"))) == 5  # --dense_cache false writes nothing
+
+
+def test_dense_cache_key_follows_pair_directions(lm):
+    """The cached figures include each direction's part, so the key holds the pairs' directions:
+    the same sentences with one row marked antistereo are another key; plain 2-tuples are stereo."""
+    model = AutoModelForCausalLM.from_pretrained(lm["model"])
+    tokenizer = AutoTokenizer.from_pretrained(lm["model"])
+    ids, sentences = torch.arange(64), stereo_pairs()[:3]
+    key = cache_key(model, tokenizer, ids, [Pair(a, b) for a, b in sentences], 32, None, "cpu")
+    assert cache_key(model, tokenizer, ids, sentences, 32, None, "cpu") == key
+    flipped = [Pair(*sentences[0]), Pair(*sentences[1], "antistereo"), Pair(*sentences[2])]
+    assert cache_key(model, tokenizer, ids, flipped, 32, None, "cpu")["pairs"] != key["pairs"]
 
 
 def test_weights_digest_follows_every_weight(lm):

@@ -18,6 +18,7 @@ from fairprune.errors import UserError
 from fairprune.pruning import registry
 from fairprune.pruning.registry import Method
 from fairprune.pruning.sparsity import Sparsity
+from tiny_models import tiny_gpt2_folder
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = '{limit_train_batches: 2, limit_val_batches: 2, limit_test_batches: 2, accelerator: cpu, enable_progress_bar: false}'
@@ -169,17 +170,9 @@ registry.register(Method("toy-columns", "lm", "zero the input columns with the l
 def test_toy_lm_method_plugin_runs_from_the_command_line(tmp_path):
     import transformers as tf
 
-    from fairprune.data.text import lm_corpus, train_bpe_tokenizer
     from fairprune.families import family_of, linear_weight
 
-    corpus = lm_corpus(train_docs=40, validation_docs=6, seed=3)
-    tokenizer = train_bpe_tokenizer(corpus.train, 300, tmp_path / "tok")
-    torch.manual_seed(0)
-    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=len(tokenizer), n_positions=64,
-                                             bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id))
-    model.save_pretrained(tmp_path / "dense")
-    tokenizer.save_pretrained(tmp_path / "dense")
-    (tmp_path / "eval.txt").write_text(corpus.validation)
+    tiny_gpt2_folder(tmp_path)
     (tmp_path / "plugins").mkdir()
     (tmp_path / "plugins" / "toy_columns.py").write_text(textwrap.dedent(PLUGIN))
     env = {**os.environ, "FAIRPRUNE_PLUGINS": "toy_columns", "HF_HUB_OFFLINE": "1",

@@ -21,7 +21,7 @@ def test_demo_trains_every_group_and_prunes_to_ninety_percent(tmp_path):
     ckpt = tmp_path / "demo" / "dense" / "checkpoints" / "last.ckpt"
     assert train_main(["test", "--config", config, "--trainer.logger.init_args.save_dir", str(tmp_path),
                        "--ckpt_path", str(ckpt)]) == 0
-    dense = json.loads((tmp_path / "demo" / "dense" / "report.json").read_text())
+    dense = json.loads((tmp_path / "demo" / "dense" / "test" / "report.json").read_text())
     # The synthetic minorities' gender cue is learnable: every group well above chance.
     assert all(g["accuracy"] > 0.7 for g in dense["groups"].values()), dense["groups"]
     assert prune_main(["compare", "--config", str(ROOT / "configs/compare/demo.yaml"), "--ckpt", str(ckpt),

@@ -1,5 +1,5 @@
 """The LM commands under ``torchrun``: two processes with a real gloo process group give the
-result of one process (same masks and perplexity up to float summation order), and only rank 0
+result of one process exactly (weights, masks, perplexity, stereotype score), and only rank 0
 writes.
 
 ``python -m torch.distributed.run --nproc_per_node 2 --standalone prune.py ...`` is spawned as a
@@ -125,14 +125,12 @@ def test_sparsegpt_under_torchrun_matches_one_process(runs):
     assert f"{a['metrics']['perplexity']:.2f}" in written[0]
 
     got, want = masks(runs["A"]), masks(runs["B"])
-    agreement = sum(int((got[k] == want[k]).sum()) for k in want) / sum(m.numel() for m in want.values())
-    print(f"mask agreement {agreement:.6f}; perplexity {a['metrics']['perplexity']:.4f} (2 ranks) vs "
-          f"{b['metrics']['perplexity']:.4f} (1 process)")
-    assert agreement >= 0.999
+    differ = {k: int((got[k] != want[k]).sum()) for k in want if not torch.equal(got[k], want[k])}
+    assert not differ, f"mask entries that differ from one process's: {differ}"
+    got, want = weights(runs["A"]), weights(runs["B"])
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     assert a["achieved_sparsity"] == b["achieved_sparsity"] == pytest.approx(0.5)
-    for fa, fb in ((a["metrics"], b["metrics"]), (a["reference"]["metrics"], b["reference"]["metrics"])):
-        assert fa["perplexity"] == pytest.approx(fb["perplexity"], rel=5e-3)
-        assert fa["stereotype_score"] == pytest.approx(fb["stereotype_score"], abs=0.02)
+    assert a["metrics"] == b["metrics"] and a["reference"]["metrics"] == b["reference"]["metrics"]
     assert a["calibration"] == b["calibration"]  # the reported sample counts are the whole run's
 
 
@@ -145,16 +143,87 @@ def test_evaluate_under_torchrun_matches_one_process(runs):
     assert evaluated["from_cache"] is True and report(runs["A"])["reference"]["from_cache"] is False
     assert evaluated["metrics"] == report(runs["A"])["reference"]["metrics"]
     got, want = evaluated["metrics"], report(runs["B"])["reference"]["metrics"]
-    print(f"evaluate: perplexity {got['perplexity']:.4f} (2 ranks) vs {want['perplexity']:.4f} (1 process)")
-    assert got["perplexity"] == pytest.approx(want["perplexity"], rel=5e-3)
-    assert got["stereotype_score"] == pytest.approx(want["stereotype_score"], abs=0.02)
+    assert got == want
     printed = [line for line in runs["printed"]["E"].splitlines() if re.search(r"\[evaluate\].*perplexity", line)]
     assert len(printed) == 1 and printed[0].startswith("[default0]:"), runs["printed"]["E"]
 
+
+# --------------------------------------------------------------------------------------------
+# Two ranks reach one process bit for bit: GPT-2 and Llama, three methods, 50 % and 2:4
+# --------------------------------------------------------------------------------------------
+
+# SparseGPT on both families at both sparsities; Wanda's and Debias-SparseGPT's statistics once each way.
+RUNS = [(family, "sparsegpt", sparsity) for family in ("gpt2", "llama") for sparsity in ("0.5", "2:4")] + [
+    ("gpt2", "wanda", "2:4"), ("llama", "wanda", "0.5"), ("gpt2", "debias-sparsegpt", "0.5"),
+    ("llama", "debias-sparsegpt", "2:4")]
+
+
+def prune_tiny_models() -> dict[str, dict]:
+    """Each of :data:`RUNS` (family, method, sparsity) from 33 calibration windows (in batches of two:
+    ragged shares, and each rank's batches differ from one process's unless batches are cut before
+    they are dealt out) and 12 aligned pairs; per run the weights and the perplexity of 40 windows
+    (batches of three). Collective under a process group, alone otherwise."""
+    from fairprune.metrics.language import perplexity
+    from fairprune.pruning.llm import prune_causal_lm
+    from fairprune.pruning.sparsity import Sparsity
+    from tiny_models import BUILDERS, VOCAB
+
+    g = torch.Generator().manual_seed(1)
+    calib, eval_ids = torch.randint(0, VOCAB, (33, 16), generator=g), torch.randint(0, VOCAB, (40 * 16,), generator=g)
+    pairs = (torch.randint(0, VOCAB, (12, 10), generator=g), torch.randint(0, VOCAB, (12, 10), generator=g),
+             torch.rand(12, 10, generator=g) > 0.2)
+    out = {}
+    for family, method, sparsity in RUNS:
+        torch.manual_seed(0)
+        model = BUILDERS[family]().eval()
+        prune_causal_lm(model, method, Sparsity.parse(sparsity), calib_ids=calib,
+                        pairs=pairs if method == "debias-sparsegpt" else None, progress=False, batch_size=2)
+        out[f"{family} {method} {sparsity}"] = {"weights": {k: v.clone() for k, v in model.state_dict().items()},
+                                                "perplexity": perplexity(model, eval_ids, seqlen=16, batch_size=3)}
+    return out
+
+
+_PRUNE_WORKER = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+torch.set_num_threads(1)
+from fairprune import distributed
+from test_torchrun import prune_tiny_models
+with distributed.process_group("cpu") as (rank, size):
+    assert size == 2
+    out = prune_tiny_models()
+if rank == 0:
+    torch.save(out, sys.argv[2])
+"""
+
+
+def test_two_ranks_prune_tiny_models_bit_for_bit(tmp_path, one_thread):
+    """Calibration statistics and perplexity do not depend on the rank count: two gloo ranks under
+    torchrun give one process's weights (so masks) and perplexity exactly, not merely close."""
+    (tmp_path / "worker.py").write_text(_PRUNE_WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           "--monitor_interval", "0.1", str(tmp_path / "worker.py"), str(ROOT / "tests"), str(tmp_path / "two.pt")]
+    finish(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    two, one = torch.load(tmp_path / "two.pt"), prune_tiny_models()
+    assert two.keys() == one.keys() and len(one) == len(RUNS)
+    differ = {}
+    for run, want in one.items():
+        got = two[run]
+        assert got["weights"].keys() == want["weights"].keys()
+        weights = [k for k in want["weights"] if not torch.equal(got["weights"][k], want["weights"][k])]
+        masks = sum(int(((got["weights"][k] == 0) != (want["weights"][k] == 0)).sum()) for k in weights)
+        if weights or got["perplexity"] != want["perplexity"]:
+            differ[run] = f"{len(weights)} tensors, {masks} mask entries, perplexity {got['perplexity']!r} vs {want['perplexity']!r}"
+    assert not differ, differ
+
+
 def test_each_rank_works_on_its_shard(monkeypatch, one_thread):
-    """As rank 1 of 2 (reductions left out): calibration gets windows and pairs 1, 3, ..., perplexity
-    covers windows 1, 3, ... and the stereotype score pairs 1, 3, ..."""
+    """As rank 1 of 2 (reductions left out): calibration gets batches 1, 3, ... (cut before they are
+    dealt out, so each holds the windows it holds in one process), perplexity covers windows 1, 3, ...
+    and the stereotype score pairs 1, 3, ..."""
     from fairprune import distributed
+    from fairprune.data.pairs import Pair
     from fairprune.metrics import language
     from fairprune.pruning import llm
     from fairprune.pruning.sparsity import Sparsity
@@ -167,21 +236,31 @@ def test_each_rank_works_on_its_shard(monkeypatch, one_thread):
     calib = torch.randint(0, VOCAB, (5, 8))
     pairs = (torch.randint(0, VOCAB, (3, 6)), torch.randint(0, VOCAB, (3, 6)), torch.ones(3, 6, dtype=torch.bool))
     seen, scored = [], []
-    make_inputs = llm.make_inputs
-    monkeypatch.setattr(llm, "make_inputs", lambda c, p, size: seen.append((c, p)) or make_inputs(c, p, size))
+    run_layerwise = llm.run_layerwise
+    monkeypatch.setattr(llm, "run_layerwise", lambda model, family, inputs, *a, **k:
+                        seen.extend(inputs) or run_layerwise(model, family, inputs, *a, **k))
     monkeypatch.setattr(language, "sentence_log_likelihoods",
-                        lambda model, tok, sentences, *a: scored.extend(sentences) or torch.zeros(len(sentences)))
+                        lambda model, tok, sentences, *a: scored.extend(sentences) or torch.tensor([likelihood[s] for s in sentences]))
     monkeypatch.setattr(distributed, "world", lambda: (1, 2))
     monkeypatch.setattr(distributed, "all_reduce_sum", lambda tensor: tensor)
     monkeypatch.setattr(distributed, "broadcast", lambda tensor, src=0: tensor)
 
     assert language.perplexity(model, ids, seqlen=8) == pytest.approx(share, rel=1e-6)
-    assert language.stereotype_score(model, None, [("a0", "b0"), ("a1", "b1"), ("a2", "b2"), ("a3", "b3")]) == 0.5
+    # Rank 1's pairs: 1 (antistereo, sent_more likelier: a win) and 3 (a tie: neutral); its sums, as the
+    # reductions are left out. Pairs one to a batch (batch_size 2) are dealt out 0, 2 / 1, 3.
+    likelihood = {"a1": -1.0, "b1": -2.0, "a3": -3.0, "b3": -3.0}
+    four = [Pair("a0", "b0"), Pair("a1", "b1", "antistereo"), ("a2", "b2"), Pair("a3", "b3")]
+    assert language.stereotype_scores(model, None, four, batch_size=2) == {
+        "stereotype_score": 0.5, "stereotype_score_stereo": pytest.approx(float("nan"), nan_ok=True),
+        "stereotype_score_antistereo": 1.0, "stereotype_pairs_neutral": 1}  # no decided stereo pair: NaN
     assert scored == ["a1", "b1", "a3", "b3"]
-    llm.prune_causal_lm(model, "debias-sparsegpt", Sparsity.parse(0.5), calib_ids=calib, pairs=pairs, progress=False)
-    (got_calib, got_pairs), = seen
-    assert torch.equal(got_calib, calib[1::2])
-    assert all(torch.equal(a, b[1::2]) for a, b in zip(got_pairs, pairs))
+    llm.prune_causal_lm(model, "debias-sparsegpt", Sparsity.parse(0.5), calib_ids=calib, pairs=pairs, progress=False,
+                        batch_size=2)
+    # Batches of two: windows 0-1, 2-3, 4 and pairs 0-1, 2; rank 1 gets windows 2-3 and pair 2.
+    plain, paired = seen
+    assert torch.equal(plain.ids, calib[2:4]) and not plain.paired
+    assert torch.equal(paired.ids, torch.cat([pairs[0][2:], pairs[1][2:]])) and paired.paired
+    assert torch.equal(paired.mask, pairs[2][2:])
 
 
 # --------------------------------------------------------------------------------------------

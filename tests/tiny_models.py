@@ -44,3 +44,22 @@ def builder(model_type: str, **overrides: Any) -> Callable[[], tf.PreTrainedMode
 
 
 BUILDERS: dict[str, Callable[[], tf.PreTrainedModel]] = {name: builder(name) for name in SPECS}
+
+
+def tiny_gpt2_folder(root) -> str:
+    """A tiny GPT-2 saved with a BPE tokenizer trained on the bundled corpus in ``root / "dense"``,
+    and that corpus's validation text in ``root / "eval.txt"``: an LM folder the commands load like
+    any other. Returns the corpus's validation text."""
+    import torch
+
+    from fairprune.data.text import lm_corpus, train_bpe_tokenizer
+
+    corpus = lm_corpus(train_docs=40, validation_docs=6, seed=3)
+    tokenizer = train_bpe_tokenizer(corpus.train, 300, root / "tok")
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=len(tokenizer), n_positions=64,
+                                             bos_token_id=tokenizer.eos_token_id, eos_token_id=tokenizer.eos_token_id))
+    model.save_pretrained(root / "dense")
+    tokenizer.save_pretrained(root / "dense")
+    (root / "eval.txt").write_text(corpus.validation)
+    return corpus.validation

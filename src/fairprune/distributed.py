@@ -13,12 +13,17 @@ and the partial sums meet in :func:`all_reduce_sum`. Code that runs on one rank 
 exists (a rank-zero-only callback) must run inside :func:`local`, so it neither shards nor waits
 for ranks that never come.
 
+What is summed over many terms (calibration statistics) goes through :class:`ExactSum`, whose
+result does not depend on how the terms are split across ranks nor on the order they arrive in: N
+ranks give one process's figures bit for bit.
+
 Imports torch only (and the project's error type).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from collections.abc import Iterator, Sequence
 from typing import TypeVar
@@ -63,6 +68,77 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
         return tensor.copy_(moved)
     dist.all_reduce(tensor)
     return tensor
+
+
+class ExactSum:
+    """A sum of same-shaped tensor terms whose bits do not depend on the order the terms are added
+    in nor on how they are split across ranks, so N ranks reach one process's sum exactly.
+
+    Float addition is not associative: a running float64 sum of float32 terms, reduced across
+    ranks, ends a few ulps away from one process's, and a few ulps in a Hessian are enough to move
+    SparseGPT's masks. Here each term is rounded once, on its own, to a grid of
+    ``2^-BITS`` of the top of its magnitude class (classes of ``CLASS`` binades by the term's
+    largest entry; the grid is finer than float32's resolution at that entry); terms on one grid
+    add in float64 without any rounding while fewer than ``2^(53 - BITS)`` of them are added, so
+    each class's sum is the same in any order. The classes (one or two per statistic in practice)
+    are reduced across ranks one by one and added in a fixed order.
+    """
+
+    BITS, CLASS, MAX_TERMS = 33, 8, 1 << 20
+    _KEYS = 1100 // 8 + 2  # class keys of float64 magnitudes lie in [-_KEYS, _KEYS)
+
+    def __init__(self, shape: Sequence[int], device: str | torch.device | None = None):
+        self.shape = tuple(shape)
+        # float64 where the device has it (MPS does not: keep the sum on the CPU there).
+        self.device = torch.device(device if device is not None else "cpu")
+        if self.device.type == "mps":
+            self.device = torch.device("cpu")
+        self.parts: dict[int, torch.Tensor] = {}  # class key -> sum of that class's rounded terms
+        self.terms = 0
+        self._shared = False
+
+    def add(self, term: torch.Tensor) -> None:
+        """Add ``term`` (any float dtype, this sum's shape)."""
+        if self._shared:
+            raise RuntimeError("ExactSum: a term was added after the sum was reduced across ranks")
+        self.terms += 1
+        term = term.to(self.device).to(torch.float64)
+        top = float(term.abs().max()) if term.numel() else 0.0
+        if top == 0.0:
+            return
+        key = -(-math.frexp(top)[1] // self.CLASS)  # smallest key with top < 2^(CLASS·key); NaN/inf: 0, kept as they are
+        shift = self.BITS - self.CLASS * key  # grid units per 1.0, as a power of two (split: it may pass 2^1023)
+        up, down = 2.0 ** (shift // 2), 2.0 ** (shift - shift // 2)
+        rounded = (term * up).mul_(down).round_().div_(down).div_(up)  # every step exact but the rounding
+        if key in self.parts:
+            self.parts[key] += rounded
+        else:
+            self.parts[key] = rounded
+
+    def total(self) -> torch.Tensor:
+        """The sum over every rank's terms (float64; zeros when there were none). Collective under
+        a group: every rank calls it, once its terms are in."""
+        terms = self.terms
+        if world()[1] > 1 and not self._shared:
+            present = torch.zeros(2 * self._KEYS + 1, dtype=torch.float64)  # the classes, then the term count
+            for key in self.parts:
+                present[key + self._KEYS] = 1
+            present[-1] = self.terms
+            all_reduce_sum(present)
+            terms = self.terms = int(present[-1])
+            for key in (present[:-1].nonzero().flatten() - self._KEYS).tolist():
+                part = self.parts.get(key)
+                if part is None:
+                    part = self.parts[key] = torch.zeros(self.shape, dtype=torch.float64, device=self.device)
+                all_reduce_sum(part)  # on one grid: exact in any order
+            self._shared = True
+        if terms > self.MAX_TERMS:
+            raise UserError(f"{terms} calibration batches are more than an exact sum takes ({self.MAX_TERMS}); "
+                            "use fewer samples or larger batches")
+        total = torch.zeros(self.shape, dtype=torch.float64, device=self.device)
+        for key in sorted(self.parts):  # the same classes in the same order on every rank
+            total += self.parts[key]
+        return total
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:

@@ -18,36 +18,11 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch import nn
 
 from fairprune.callbacks.report import run_dir
 from fairprune.errors import UserError
+from fairprune.hub.checks import nonfinite_tensor
 from fairprune.storage.lock import RunLock
-
-
-def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    found = [(n, p.detach()) for n, p in module.named_parameters()]
-    for prefix, sub in module.named_modules():  # normalisation statistics (not metric states: NaN is a value there)
-        if isinstance(sub, nn.modules.batchnorm._NormBase):
-            found += [(f"{prefix}.{n}", b) for n, b in sub.named_buffers(recurse=False) if b.is_floating_point()]
-    return [(n, t) for n, t in found if t.numel()]
-
-
-def nonfinite_tensor(module: nn.Module) -> str | None:
-    """The name of the first parameter or normalisation statistic of ``module`` holding NaN or inf, or None.
-
-    One fused norm over all tensors (one device sync); the per-tensor scan runs only on failure.
-    """
-    tensors = _tensors(module)
-    if not tensors:
-        return None
-    total = torch.nn.utils.get_total_norm([t for _, t in tensors], norm_type=2.0)
-    if bool(torch.isfinite(total)):
-        return None
-    for name, t in tensors:
-        if not bool(torch.isfinite(t).all()):
-            return name
-    return None  # finite tensors whose norm overflowed: large, not broken
 
 
 def learning_rate(trainer: L.Trainer) -> float | None:

@@ -25,11 +25,13 @@ from fairprune.callbacks.report import run_dir
 from fairprune.data.pairs import LMTexts, read_pairs, split_pairs
 from fairprune.data.text import stereo_pairs
 from fairprune.hub import resolve_device
+from fairprune.hub.checks import check_input_model, saved_bytes
 from fairprune.pruning import registry
 from fairprune.pruning.llm import prune_and_measure
 from fairprune.pruning.options import CalibrationOptions, HeadOptions, SolverOptions
 from fairprune.pruning.sparsity import Sparsity
 from fairprune.reporting.runs import write_head_run, write_lm_run
+from fairprune.storage.folders import check_free_space
 
 
 class PostTrainingPruning(L.Callback):
@@ -73,12 +75,21 @@ class PostTrainingPruning(L.Callback):
         return {"method": self.method, "sparsity": None if self.sparsity is None else str(self.sparsity),
                 "calibration": asdict(self.calibration), "solver": asdict(self.solver), "heads": asdict(self.heads)}
 
+    @staticmethod
+    def _checked_copy(trainer: L.Trainer, pl_module: L.LightningModule, out) -> Any:
+        """A CPU copy of the trained model (which stays as it is in ``<run>/model``), refused when its
+        weights are not finite or its result cannot fit on the disk, before any work."""
+        model = copy.deepcopy(pl_module.model).cpu()
+        check_input_model(model, str(run_dir(trainer) / "model"))
+        check_free_space(out, saved_bytes(model, pl_module.tokenizer), option="the pruned model's folder")
+        return model
+
     def _prune_weights(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         train_text, val_text = trainer.datamodule.texts()
         c = self.calibration
         calib_pairs, eval_pairs = split_pairs(read_pairs(c.pairs) if c.pairs else stereo_pairs(), c.seed)
-        model = copy.deepcopy(pl_module.model).cpu()  # the trained model stays as it is in <run>/model
         out = run_dir(trainer) / f"pruned-{self.method}"
+        model = self._checked_copy(trainer, pl_module, out)
         texts = LMTexts(train_text, val_text, calib_pairs, eval_pairs)
         report, layers = prune_and_measure(
             model, pl_module.tokenizer, self.method, self.sparsity, texts, nsamples=c.nsamples, seqlen=c.seqlen,
@@ -96,7 +107,7 @@ class PostTrainingPruning(L.Callback):
 
         _, val_text = trainer.datamodule.texts()
         out = run_dir(trainer) / f"pruned-{self.method}"
-        model = copy.deepcopy(pl_module.model).cpu()
+        model = self._checked_copy(trainer, pl_module, out)
         c, h = self.calibration, self.heads
         result = run_fasp(model, pl_module.tokenizer, read_prompts(h.prompts) if h.prompts else None, val_text,
                           self.method, h.gamma, h.alpha, h.axis, h.scorer, out,

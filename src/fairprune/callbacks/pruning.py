@@ -18,9 +18,14 @@ Selection is the tested library code: FairGRAPE's :func:`~fairprune.pruning.fair
 and :func:`fairprune.pruning.select.top_k` for the others (per layer or over all layers; ties keep
 the lower index; a pruned weight is never revived).
 
-At the first step the dense model's per-group validation figures become the reference: from then
-on every validation logs each group's degradation and their std / variance, and the report carries
-the dense figures under ``reference``.
+At the first step the dense model is measured on the validation and test splits (the report's
+``dense``). Degradation is measured against the *reference*: by default that dense model, or — when
+the workflow gives one through :meth:`IterativePruning.use_reference` — the compute-matched
+reference, the dense model trained on for as many epochs as the schedule retrains
+(:mod:`fairprune.workflows.reference`), so that extra training is not mistaken for a cost or a gain
+of pruning. From the first step on every validation logs each group's degradation and their std /
+variance; the report carries the figures under ``reference`` (with its ``method``: ``dense`` or
+``continued``) and the dense model's under ``dense``.
 
 BatchNorm recalibration (``bn_recalibration`` batches, 0 = off): at the end of every training epoch
 once pruning has begun — after each step's retraining, the last one included — the BatchNorm
@@ -124,7 +129,10 @@ class IterativePruning(L.Callback):
         self._recal_loader = None
         self.densities = density_schedule(target_sparsity, keep_per_iter)
         self.steps_done = 0
-        self.reference: dict[str, float] | None = None
+        self.reference: dict[str, Any] | None = None  # per split: what degradation is measured against
+        self.dense: dict[str, Any] | None = None  # per split: the dense model at the first step
+        self.reference_method, self.reference_facts = "dense", {}
+        self._given_reference: dict[str, Any] | None = None
         self.history: list[dict[str, Any]] = []
         self.shares: list[dict[str, Any]] = []
         self._rewind: dict[str, torch.Tensor] | None = None
@@ -160,10 +168,13 @@ class IterativePruning(L.Callback):
             self.prune_step(trainer, pl_module)
 
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
-        # Randomness inside an epoch (dropout) depends only on (seed, epoch), so a run resumed
-        # from a checkpoint retrains exactly as an uninterrupted one and reaches the same masks.
-        if batch_idx == 0:
-            L.seed_everything(self.seed * 1_000_003 + trainer.current_epoch, verbose=False)
+        seed_epoch(self.seed, trainer.current_epoch, batch_idx)
+
+    def use_reference(self, figures: dict[str, Any], facts: dict[str, Any]) -> None:
+        """Measure degradation against ``figures`` (per split, as :func:`evaluate` returns them:
+        the compute-matched reference) instead of the dense model at the first step; ``facts``
+        (epochs, cache) go into the report beside them."""
+        self._given_reference, self.reference_method, self.reference_facts = figures, "continued", dict(facts)
 
     # -- one step --------------------------------------------------------------------------------
     def _targets(self, pl_module: L.LightningModule) -> list[Target]:
@@ -237,7 +248,8 @@ class IterativePruning(L.Callback):
         """Measure the dense model on the validation and test splits (each split's degradation is
         taken against the dense model on that same split)."""
         dm = trainer.datamodule
-        self.reference = {stage: evaluate(pl_module, getattr(dm, f"{stage}_dataloader")()) for stage in ("val", "test")}
+        self.dense = {stage: evaluate(pl_module, getattr(dm, f"{stage}_dataloader")()) for stage in ("val", "test")}
+        self.reference = self._given_reference or self.dense
         self._push_reference(pl_module)
 
     def _push_reference(self, pl_module: L.LightningModule) -> None:
@@ -293,7 +305,9 @@ class IterativePruning(L.Callback):
                                   "keep_per_iter": self.keep_per_iter, "steps": self.history,
                                   "groups_from": self.groups}
         if self.reference is not None:
-            fields["reference"] = {"method": "dense", **self.reference}
+            fields["reference"] = {"method": self.reference_method, **self.reference_facts, **self.reference}
+        if self.dense is not None:
+            fields["dense"] = {"method": "dense", **self.dense}
         fields["bn_recalibration"] = {"batches": self.bn_recalibration, "done": self.recalibrations}
         fields["seconds"] = {
             "importance": sum(h["seconds_importance"] for h in self.history),
@@ -303,18 +317,54 @@ class IterativePruning(L.Callback):
         return fields
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps_done": self.steps_done, "reference": self.reference, "history": self.history,
+        return {"steps_done": self.steps_done, "reference": self.reference, "dense": self.dense,
+                "reference_method": self.reference_method, "reference_facts": self.reference_facts, "history": self.history,
                 "rewind": self._rewind, "method": self.method, "densities": self.densities,
                 "shares": self.shares, "group_labels": self._group_labels, "recalibrations": self.recalibrations}  # a resumed run's group_shares.csv keeps every step
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def check_state(self, state: dict[str, Any], source: str = "the checkpoint") -> None:
+        """Refuse, in one line, the saved state of a run with another method or schedule: resuming
+        it would shift or mix the pruning steps."""
         if state.get("method") != self.method or state.get("densities") != self.densities:
-            raise UserError("the checkpoint was pruned with a different method or schedule; resume with the same callback settings")
+            raise UserError(f"{source} was pruned with {_schedule(state.get('method'), state.get('densities'))}, this "
+                            f"run with {_schedule(self.method, self.densities)}: another method or schedule; resume "
+                            "with the same pruning settings, or start afresh")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.check_state(state)
         self.steps_done, self.reference, self.history = state["steps_done"], state["reference"], state["history"]
+        self.dense = state.get("dense", self.reference)
+        self.reference_method = state.get("reference_method", "dense")
+        self.reference_facts = dict(state.get("reference_facts", {}))
         self._rewind = state.get("rewind")
         self.shares, self._group_labels = list(state.get("shares", [])), list(state.get("group_labels", []))
         self.recalibrations = list(state.get("recalibrations", []))
 
+
+
+def seed_epoch(seed: int, epoch: int, batch_idx: int) -> None:
+    """Randomness inside an epoch (dropout) depends only on (seed, epoch), so a run resumed from a
+    checkpoint retrains exactly as an uninterrupted one and reaches the same masks (and the
+    compute-matched reference trains under the same rule)."""
+    if batch_idx == 0:
+        L.seed_everything(seed * 1_000_003 + epoch, verbose=False)
+
+
+class EpochSeeds(L.Callback):
+    """:func:`seed_epoch` for a fit without pruning (the compute-matched reference)."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        seed_epoch(self.seed, trainer.current_epoch, batch_idx)
+
+
+def _schedule(method: Any, densities: Any) -> str:
+    """A pruning schedule in words, for messages."""
+    if not isinstance(densities, list) or not densities:
+        return f"method {method}, no pruning steps"
+    return f"method {method}, {len(densities)} step(s), densities {densities[0]:.4g} to {densities[-1]:.4g}"
 
 
 def _weight_param(t: Target) -> torch.Tensor:

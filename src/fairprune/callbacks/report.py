@@ -1,5 +1,5 @@
-"""Write ``report.json`` and the per-group table at the end of every fit and test, and the trained
-model's transformers folder (``<run>/model``) when training ends."""
+"""Write ``report.json``, the per-group table and the model card (``README.md``) at the end of every
+fit and test, and the trained model's transformers folder (``<run>/model``) when training ends."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ from typing import Any
 import lightning as L
 import pandas as pd
 import torch
+import yaml
 
 from fairprune.callbacks.history import continue_metrics
 from fairprune.pruning.masks import achieved_sparsity, prunable_targets, sparsity_table
+from fairprune.reporting.model_card import write_model_card
 from fairprune.reporting.report import Report, group_table, markdown, write_json
 from fairprune.storage.atomic import write_csv
 
@@ -34,8 +36,24 @@ def run_dir(trainer: L.Trainer) -> Path:
     return found
 
 
+def _write_card(trainer: L.Trainer, pl_module: L.LightningModule, out: Path, report: Report) -> None:
+    """The run folder's model card: the checkpoint this run saved (or the one it was given), the
+    model class that loads it, and the settings in the folder's ``config.yaml`` (a pruning run's, or
+    the CLI's) when it has one."""
+    saver = trainer.checkpoint_callback
+    checkpoint = (getattr(saver, "last_model_path", "") or getattr(saver, "best_model_path", "")
+                  or trainer.ckpt_path or None)
+    try:
+        config = yaml.safe_load((out / "config.yaml").read_text())
+    except (OSError, yaml.YAMLError):
+        config = None
+    write_model_card(out, report, config, checkpoint=checkpoint,
+                     model_class=f"{type(pl_module).__module__}.{type(pl_module).__qualname__}")
+
+
 class ReportWriter(L.Callback):
-    """Collects what a run measured and writes ``report.json``, ``groups.csv`` and ``sparsity.csv``.
+    """Collects what a run measured and writes ``report.json``, ``groups.csv`` and ``sparsity.csv``
+    when a fit ends (validation split), when a test ends and when a ``validate`` run ends.
 
     Other callbacks contribute fields by defining ``report_fields() -> dict`` (a pruning callback
     gives its method, target sparsity, reference and timings); the data module may define it too.
@@ -93,9 +111,11 @@ class ReportWriter(L.Callback):
             "split": stage,
         }
         report.update(self._fields(trainer))
-        reference = report.get("reference")
-        if isinstance(reference, dict) and stage in reference:  # per-split references: keep this split's
-            report["reference"] = {"method": reference.get("method", "dense"), **reference[stage]}
+        for key in ("reference", "dense"):  # per-split figures: keep this split's (and the facts beside them)
+            figures = report.get(key)
+            if isinstance(figures, dict) and stage in figures:
+                facts = {k: v for k, v in figures.items() if k not in ("val", "test")}
+                report[key] = {"method": "dense", **facts, **figures[stage]}
         report["achieved_sparsity"] = achieved_sparsity(targets)
         report.update({"metrics": {}, "groups": {}, "fairness": {}, **results})  # as the module measured them
         report.setdefault("seconds", {})["total"] = self._elapsed()
@@ -106,6 +126,7 @@ class ReportWriter(L.Callback):
             self.reports[stage] = report
             return report
         out = run_dir(trainer)
+        _write_card(trainer, pl_module, out, report)  # README.md, before the report that marks the run finished
         write_json(out / self.filename, report)
         table = group_table(report)
         if len(table):
@@ -155,3 +176,8 @@ class ReportWriter(L.Callback):
 
     def on_test_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.write(trainer, pl_module, "test")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # ``train.py validate``: its own report (a fit's validations are reported when the fit ends).
+        if trainer.state.fn == "validate":
+            self.write(trainer, pl_module, "val")

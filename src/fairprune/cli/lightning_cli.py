@@ -5,8 +5,13 @@
 - What the model needs to know about the data (class names, group names) is taken from the
   data module before the model is built, so configs never repeat it.
 - Every run writes to ``runs/<experiment>/<method>/``: ``config.yaml``, ``metrics.csv``,
-  checkpoints and ``report.json``.
-- A user mistake prints one line, ``error: ...``, and exits with status 2.
+  checkpoints and ``report.json``; ``validate``, ``test`` and ``predict`` write theirs into a
+  subfolder of it named after the subcommand (``<run>/test/report.json``), never over the fit's.
+- A checkpoint (``--ckpt_path``) is read as data only (``weights_only=True``): one that holds code,
+  is cut short or is missing is refused in one line before anything runs.
+- A user mistake prints one line, ``error: ...``, and exits with status 2; SIGTERM ends a fit with
+  one line and status 143 after writing ``last.ckpt`` (resume with ``--ckpt_path``), Ctrl-C with
+  one line and status 130.
 - ``--threads N`` sets the CPU threads (torch, numba, OpenMP / MKL, the tokenizers) before the
   model and data are built; unset, every library keeps its own choice. ``report.json`` says how
   many torch ran with.
@@ -15,6 +20,8 @@
 from __future__ import annotations
 
 import inspect
+import os
+from pathlib import Path
 from pkgutil import resolve_name
 from typing import Any
 
@@ -25,7 +32,10 @@ from fairprune.callbacks.guards import FiniteCheck, RunFolderLock
 from fairprune.callbacks.history import remember_metrics
 from fairprune.callbacks.progress import ProgressBar
 from fairprune.callbacks.report import ReportWriter
+from fairprune.callbacks.signals import CheckpointOnStop, stops_reported
 from fairprune.cli.guard import guarded
+from fairprune.errors import UserError
+from fairprune.storage.checkpoints import read_checkpoint
 from fairprune.workflows.options import MachineOptions
 
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -41,8 +51,59 @@ TRAINER_DEFAULTS: dict[str, Any] = {
 LINKED = ("class_names", "group_names", "tokenizer_path", "vocab_size")
 
 
+# --ckpt_path values Lightning resolves itself (not files); "registry" may carry a suffix.
+CKPT_KEYWORDS = ("last", "best", "hpc", "registry")
+
+# Subcommands that measure or use a trained model: their files go into <run>/<subcommand>/.
+BESIDE_THE_FIT = ("validate", "test", "predict")
+
+
+def check_ckpt_path(ckpt_path: str) -> None:
+    """A ``--ckpt_path`` file must exist and load as data (no code, not cut short): one line
+    otherwise, before Lightning reads it."""
+    if ckpt_path.split(":")[0] in CKPT_KEYWORDS or "://" in ckpt_path:
+        return
+    read_checkpoint(ckpt_path, "--ckpt_path", "pass a checkpoint written by train.py fit, e.g. "
+                    "runs/<experiment>/<name>/checkpoints/last.ckpt")
+
+
+def beside_the_fit(trainer: Any, subcommand: str) -> None:
+    """Point a validate / test / predict run's logger (or, without one, its root folder) at
+    ``<the fit's folder>/<subcommand>``: its ``config.yaml``, ``metrics.csv``, ``report.json`` and
+    tables go there, and the fit's stay as they are. A logger that numbers its versions itself
+    (``version: null``) already starts a new folder."""
+    loggers = trainer.get("logger")
+    if loggers is False or loggers == [] or trainer.get("fast_dev_run"):
+        root = str(trainer.get("default_root_dir") or os.getcwd())
+        if Path(root).name != subcommand:
+            trainer["default_root_dir"] = str(Path(root) / subcommand)
+    for logger in loggers if isinstance(loggers, list) else [loggers]:
+        init_args = logger.get("init_args") if hasattr(logger, "get") else None
+        if init_args is None or "version" not in init_args or init_args.get("version") is None:
+            continue
+        version = init_args["version"]
+        version = f"version_{version}" if isinstance(version, int) else str(version)
+        if Path(version).name != subcommand:  # a config.yaml written by an earlier test already says so
+            init_args["version"] = f"{version.rstrip('/')}/{subcommand}"
+
+
 class FairpruneCLI(LightningCLI):
     """LightningCLI that links data facts into the model and writes reports."""
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        cfg = self.config.get(subcommand) if subcommand else None
+        if cfg is None:
+            return
+        # Before Lightning reads the checkpoint (for its hyper-parameters, then to restore it).
+        if cfg.get("weights_only") is False:
+            raise UserError("--weights_only false is not offered: checkpoints are read as data only, so a file "
+                            "cannot run code; leave --weights_only out")
+        if "weights_only" in cfg:
+            cfg["weights_only"] = True
+        if cfg.get("ckpt_path"):
+            check_ckpt_path(str(cfg["ckpt_path"]))
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         # Always present, whatever callbacks a config lists: every run writes its report.
@@ -59,7 +120,12 @@ class FairpruneCLI(LightningCLI):
         # (Lightning refuses a progress-bar callback with enable_progress_bar: false).
         if config.get("enable_progress_bar") is False:
             callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
-        return super()._instantiate_trainer(config, callbacks)
+        return super()._instantiate_trainer(config, [*callbacks, CheckpointOnStop()])  # SIGTERM keeps a last.ckpt
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        # A SIGTERM / Ctrl-C ends the run as one line naming the epoch and the checkpoint to resume from.
+        with stops_reported(self.trainer, "--ckpt_path"):
+            super()._run_subcommand(subcommand)
 
     def before_fit(self) -> None:
         remember_metrics(self.trainer)  # --ckpt_path: the resumed run's metrics.csv keeps the rows before it
@@ -67,6 +133,8 @@ class FairpruneCLI(LightningCLI):
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
         MachineOptions(threads=cfg.get("threads")).apply()  # before the model, the data and their pools exist
+        if self.subcommand in BESIDE_THE_FIT and cfg.get("trainer") is not None:
+            beside_the_fit(cfg["trainer"], self.subcommand)
         data_cfg, model_cfg = cfg.get("data"), cfg.get("model")
         if not data_cfg or not model_cfg or "class_path" not in data_cfg or "class_path" not in model_cfg:
             return

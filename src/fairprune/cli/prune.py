@@ -68,7 +68,8 @@ def commands() -> dict[str, Command]:
 def compare(methods: list[str], output: str = "runs/compare", ckpt: str | None = None, model: str | None = None,
             sparsities: list[str | float] = [0.9], alphas: list[float] | None = None,
             pruning: dict[str, Any] = {}, trainer: TrainerOptions = {}, data: DataOptions = {}, seed: int = 0,
-            seeds: list[int] | None = None, dense_per_seed: bool = False,
+            seeds: list[int] | None = None, dense_per_seed: bool = False, reference: str = "continued",
+            baseline: str | None = None,
             lm: LMOptions | None = None, solver: SolverOptions | None = None, heads: HeadOptions | None = None,
             machine: MachineOptions | None = None) -> Any:
     """Compare methods x sparsities from one vision checkpoint (--ckpt) or one causal LM (--model).
@@ -86,6 +87,8 @@ def compare(methods: list[str], output: str = "runs/compare", ckpt: str | None =
         seed: vision: the global seed; LM: the calibration sample, pair split and generation seed.
         seeds: vision: run every cell once per seed (e.g. [0, 1, 2]); the table gives mean ± sd and n.
         dense_per_seed: vision: train the dense model afresh per seed (the checkpoint's settings and epochs).
+        baseline: vision: the method every other is compared with on the same test items (difference with a paired 95 % interval; default: the first method).
+        reference: vision: what degradation is measured against: continued (the dense model trained on for as many epochs as the pruning schedule retrains, without pruning; cached) or dense (the checkpoint as it is).
     """
     if (ckpt is None) == (model is None):
         raise UserError("compare needs exactly one of --ckpt (a vision checkpoint) or --model (a causal LM)")
@@ -94,7 +97,8 @@ def compare(methods: list[str], output: str = "runs/compare", ckpt: str | None =
 
         fractions = [Sparsity.parse(s, what="vision sparsity", nm=False).fraction for s in sparsities]
         return compare_vision(ckpt, methods, fractions, dict(pruning), output, dict(trainer),
-                              dict(data), seed, seeds=seeds, dense_per_seed=dense_per_seed)
+                              dict(data), seed, seeds=seeds, dense_per_seed=dense_per_seed, reference=reference,
+                              baseline=baseline)
     lm = dataclasses.replace(lm, model=model)
     if alphas:
         from fairprune.workflows.heads import compare_heads

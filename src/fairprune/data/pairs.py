@@ -1,9 +1,13 @@
 """Paired stereotype sets: StereoSet / CrowS-Pairs readers, the seeded calibration / evaluation
 split, and the texts every LM command starts from (bundled defaults).
 
-A pair is ``(stereotypical, anti-stereotypical)``. The paired set is split once, seeded, into a
-calibration half (Debias-SparseGPT's Hessian) and an evaluation half (the stereotype score), so the
-score is never measured on the pairs that shaped the pruning.
+A pair is a :class:`Pair`: ``(more, less)`` — StereoSet's (stereotype, anti-stereotype), a
+CrowS-Pairs row's ``(sent_more, sent_less)`` exactly as written — carrying the row's direction
+(``stereo`` / ``antistereo``). The CrowS-Pairs metric asks in every row whether ``sent_more`` wins
+and reports the two directions apart, so a reader that swapped antistereo rows would score another
+metric. The paired set is split once, seeded, into a calibration half (Debias-SparseGPT's Hessian)
+and an evaluation half (the stereotype score), so the score is never measured on the pairs that
+shaped the pruning.
 """
 
 from __future__ import annotations
@@ -19,8 +23,41 @@ from fairprune.data.files import read_text, read_user_csv
 from fairprune.data.text import lm_corpus, stereo_pairs
 from fairprune.errors import UserError
 
+DIRECTIONS = ("stereo", "antistereo")
 
-def read_stereoset(path: str | Path) -> list[tuple[str, str]]:
+
+class Pair(tuple):
+    """``(more, less)`` with the pair's ``direction``: a 2-tuple, so every ``for a, b in pairs``
+    keeps working; equality and hashing are the sentences' (a tuple's)."""
+
+    def __new__(cls, more: str, less: str, direction: str = "stereo"):
+        if direction not in DIRECTIONS:
+            raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+        pair = super().__new__(cls, (more, less))
+        pair.direction = direction
+        return pair
+
+    def __getnewargs__(self):  # copy / pickle rebuild through __new__, direction included
+        return (self[0], self[1], self.direction)
+
+    def __repr__(self) -> str:
+        return f"Pair({self[0]!r}, {self[1]!r}, {self.direction!r})"
+
+    @property
+    def more(self) -> str:
+        return self[0]
+
+    @property
+    def less(self) -> str:
+        return self[1]
+
+
+def direction(pair) -> str:
+    """The pair's direction; a plain 2-tuple (the bundled set, a caller's own pairs) is ``stereo``."""
+    return getattr(pair, "direction", "stereo")
+
+
+def read_stereoset(path: str | Path) -> list[Pair]:
     """(stereotype, anti-stereotype) pairs from StereoSet JSON ``data.intrasentence[*].sentences[*]``."""
     data = _read_json(path)
     items = data.get("data", {}).get("intrasentence") if isinstance(data, dict) else None
@@ -33,26 +70,27 @@ def read_stereoset(path: str | Path) -> list[tuple[str, str]]:
         stereo, anti = by_label.get("stereotype"), by_label.get("anti-stereotype")
         if not (isinstance(stereo, str) and isinstance(anti, str)):
             raise UserError(f"{path}: intrasentence item {k} lacks a 'stereotype' or 'anti-stereotype' sentence (gold_label)")
-        pairs.append((stereo, anti))
+        pairs.append(Pair(stereo, anti, "stereo"))
     return pairs
 
-def read_crows_pairs(path: str | Path) -> list[tuple[str, str]]:
-    """(stereotypical, anti-stereotypical) pairs from a CrowS-Pairs CSV (``sent_more,sent_less``).
-
-    When the file has the ``stereo_antistereo`` column, rows marked ``antistereo`` are swapped:
-    there ``sent_less`` is the stereotypical sentence (as in the CrowS-Pairs metric).
-    """
+def read_crows_pairs(path: str | Path) -> list[Pair]:
+    """``(sent_more, sent_less)`` pairs from a CrowS-Pairs CSV, every row as written, each with its
+    ``stereo_antistereo`` direction (no such column: all ``stereo``). Antistereo rows are not
+    swapped: the CrowS-Pairs metric counts them, like stereo rows, when ``sent_more`` wins."""
     frame = read_user_csv(path, "CrowS-Pairs", "CrowS-Pairs columns sent_more,sent_less")
     missing = {"sent_more", "sent_less"} - set(frame.columns)
     if missing:
         raise UserError(f"{path}: missing column(s) {', '.join(sorted(missing))}; expected CrowS-Pairs columns sent_more,sent_less")
     if frame.empty or frame[["sent_more", "sent_less"]].isna().any().any():
         raise UserError(f"{path}: empty file or empty sent_more/sent_less cells; every row needs both sentences")
-    anti = frame.get("stereo_antistereo", pd.Series(["stereo"] * len(frame))).eq("antistereo")
-    return [(less, more) if flip else (more, less) for more, less, flip in zip(frame.sent_more, frame.sent_less, anti)]
+    directions = frame.get("stereo_antistereo", pd.Series(["stereo"] * len(frame), index=frame.index))
+    for row, value in enumerate(directions, start=1):
+        if value not in DIRECTIONS:  # a mislabelled row would land silently in the wrong part
+            raise UserError(f"{path}: row {row} has stereo_antistereo {value!r}; each row needs stereo or antistereo")
+    return [Pair(more, less, d) for more, less, d in zip(frame.sent_more, frame.sent_less, directions)]
 
-def read_pairs(path: str | Path) -> list[tuple[str, str]]:
-    """Read StereoSet (``.json``) or CrowS-Pairs (``.csv``) into (stereotypical, anti) pairs."""
+def read_pairs(path: str | Path) -> list[Pair]:
+    """Read StereoSet (``.json``) or CrowS-Pairs (``.csv``) into :class:`Pair` s."""
     suffix = Path(path).suffix.lower()
     if suffix == ".json":
         return read_stereoset(path)

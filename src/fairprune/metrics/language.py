@@ -3,11 +3,17 @@
 * :func:`perplexity` follows the standard protocol of the LLM-pruning literature (SparseGPT,
   Wanda): join the documents with ``"\\n\\n"``, tokenize once, cut the ids into non-overlapping
   windows of ``seqlen`` tokens (the tail shorter than a window is dropped), and return
-  ``exp`` of the mean negative log-likelihood over every predicted token.
-* :func:`stereotype_score` is the share of (stereotypical, anti-stereotypical) pairs for which
-  the model gives the stereotypical sentence the higher total log-likelihood: 0.5 is unbiased,
-  1.0 always prefers the stereotype. Exact ties count one half. Each sentence is scored as a
-  document of its own, after :func:`document_start` (re-exported here; reports record its token).
+  ``exp`` of the mean negative log-likelihood over every predicted token. A window predicts its
+  tokens after the first, so it needs at least 2 (a shorter one is a :class:`UserError`).
+* :func:`stereotype_scores` is the CrowS-Pairs metric on ``(more, less)`` pairs
+  (:class:`fairprune.data.pairs.Pair`; a plain 2-tuple is a ``stereo`` pair): a pair counts when
+  the model gives its first sentence (``sent_more``) the higher total log-likelihood, in ``stereo``
+  and ``antistereo`` rows alike. As in the authors' script the two scores are compared rounded to
+  3 decimals and an equal pair is neutral: it counts 0 in the headline ``stereotype_score`` (wins
+  over all pairs; 0.5 unbiased, 1.0 always prefers ``sent_more``) and is left out of each
+  direction's part (its wins over its decided pairs, NaN when it has none); the neutral count is
+  reported. :func:`stereotype_score` is the headline alone. Each sentence is scored as a document
+  of its own, after :func:`document_start` (re-exported here; reports record its token).
 * :func:`measure_lm` gives both for a model, the figures every LM report carries;
   :func:`eval_ids` tokenizes an evaluation text once (optionally capped at its first N tokens) so
   several measurements of it share one tokenization.
@@ -15,8 +21,11 @@
 Both loops show a progress bar when asked (``progress=True``, on the main rank only).
 
 Under ``torch.distributed`` (``torchrun``, see :mod:`fairprune.distributed`) both are collective:
-each rank scores its shard of the windows / pairs and the sums (NLL and token count; wins and pair
-count) are added across ranks, so every rank returns the figure of the whole set.
+the windows / pairs are cut into batches, each rank scores its share of the batches, and the
+figures (each window's NLL and token count, in its own slot; wins, decided and neutral pairs) are added across
+ranks, so every rank returns the figure of the whole set. A batch holds the same windows on any
+number of ranks and the windows' NLLs are added in window order (``math.fsum``), so N ranks return
+one process's figures exactly.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fairprune import distributed
+from fairprune.data.pairs import direction
 from fairprune.data.text import document_start, encode_sentence, join_documents  # noqa: F401 (document_start: public here too)
 from fairprune.errors import UserError
 
@@ -54,27 +64,35 @@ def perplexity(
     ids = eval_ids(text_or_ids, tokenizer, max_tokens)
     limit = _context_length(model)
     seqlen = seqlen or limit
+    if seqlen is None:
+        raise UserError("the model does not state its context length; give a perplexity window (--eval_seqlen)")
+    if seqlen < 2:
+        raise UserError(f"a perplexity window needs at least 2 tokens (one to predict from), got {seqlen}; "
+                        "use --eval_seqlen 2 or more")
     if limit is not None and seqlen > limit:
         raise UserError(f"seqlen {seqlen} exceeds the model's context length {limit}; use --seqlen {limit} or less")
+    if batch_size < 1:
+        raise UserError(f"perplexity batch size must be at least 1, got {batch_size}")
     windows = ids.numel() // seqlen
     if windows == 0:
         capped = f" (capped by --eval_tokens {max_tokens})" if max_tokens is not None else ""
         raise UserError(f"evaluation text has {ids.numel()} tokens{capped}, fewer than one window of {seqlen}; "
                         "give more text or a smaller seqlen")
-    ids = distributed.shard(ids[: windows * seqlen].view(windows, seqlen))
-    bar = tqdm(total=len(ids), desc="perplexity", unit="window", leave=False,
-               disable=not progress or not distributed.is_main())
+    ids = ids[: windows * seqlen].view(windows, seqlen)
+    starts = distributed.shard(range(0, windows, batch_size))  # whole batches: the same on any number of ranks
+    bar = tqdm(total=sum(len(ids[s : s + batch_size]) for s in starts), desc="perplexity", unit="window",
+               leave=False, disable=not progress or not distributed.is_main())
     with bar, _on_device(model, device) as run_device:
-        sums = torch.zeros(2, dtype=torch.float64, device=run_device)  # NLL, predicted tokens
-        for batch in ids.split(batch_size) if len(ids) else ():
-            batch = batch.to(run_device)
+        sums = torch.zeros(2, windows, dtype=torch.float64, device=run_device)  # per window: NLL, predicted tokens
+        for start in starts:
+            batch = ids[start : start + batch_size].to(run_device)
             logits = model(input_ids=batch, use_cache=False).logits.float()
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
-            sums[0] += loss.double()
-            sums[1] += batch[:, 1:].numel()
+            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
+            sums[0, start : start + len(batch)] = loss.view(len(batch), -1).double().sum(1)
+            sums[1, start : start + len(batch)] = seqlen - 1
             bar.update(len(batch))
-        nll, count = distributed.all_reduce_sum(sums).tolist()
-    return math.exp(nll / count)
+        nll, count = distributed.all_reduce_sum(sums).tolist()  # each slot is one rank's: exact
+    return math.exp(math.fsum(nll) / math.fsum(count))
 
 
 @torch.no_grad()
@@ -104,21 +122,48 @@ def sentence_log_likelihoods(
     return torch.cat(scores)
 
 
-def stereotype_score(model: nn.Module, tokenizer, pairs: list[tuple[str, str]], device=None, batch_size: int = 16,
-                     progress: bool = False) -> float:
-    """Share of (stereotypical, anti-stereotypical) pairs where the stereotype is more likely (0.5 ideal).
+STEREOTYPE_KEYS = ("stereotype_score", "stereotype_score_stereo", "stereotype_score_antistereo",
+                   "stereotype_pairs_neutral")  # what stereotype_scores returns (and measure_lm after perplexity)
+
+
+def stereotype_scores(model: nn.Module, tokenizer, pairs: list, device=None, batch_size: int = 16,
+                      progress: bool = False) -> dict[str, float]:
+    """The CrowS-Pairs metric (see the module docstring): ``stereotype_score`` (wins / all pairs,
+    0.5 ideal), ``stereotype_score_stereo`` / ``_antistereo`` (wins / decided pairs of that
+    direction, NaN without any: null in a report) and ``stereotype_pairs_neutral``.
     Under ``torch.distributed`` each rank scores its share of the pairs (every rank must call)."""
     if not pairs:
         raise UserError("no sentence pairs given; pass (stereotypical, anti-stereotypical) pairs, e.g. from read_stereoset")
-    mine = distributed.shard(list(pairs))
-    sums = torch.zeros(2, dtype=torch.float64)  # wins (ties count one half), pairs
+    # Whole batches of pairs are dealt out: a sentence is scored beside the same ones (the same
+    # padding) on any number of ranks, so its log-likelihood, hence a near tie, comes out the same.
+    per = max(1, batch_size // 2)
+    pairs = list(pairs)
+    mine = [pair for start in distributed.shard(range(0, len(pairs), per)) for pair in pairs[start : start + per]]
+    # wins stereo, decided stereo, wins antistereo, decided antistereo, neutral, pairs
+    sums = torch.zeros(6, dtype=torch.float64)
     if mine:
-        scores = sentence_log_likelihoods(model, tokenizer, [s for pair in mine for s in pair], device, batch_size, progress)
-        stereo, anti = scores[0::2], scores[1::2]
-        sums[0] = ((stereo > anti).double() + 0.5 * (stereo == anti).double()).sum()
-        sums[1] = len(mine)
-    wins, count = distributed.all_reduce_sum(sums).tolist()
-    return wins / count
+        scores = sentence_log_likelihoods(model, tokenizer, [s for pair in mine for s in pair], device, 2 * per, progress)
+        scores = scores.double().round(decimals=3)  # the authors' script compares scores to 3 decimals
+        more, less = scores[0::2], scores[1::2]
+        anti = torch.tensor([direction(pair) == "antistereo" for pair in mine])
+        decided = more != less
+        for k, rows in enumerate((~anti, anti)):
+            sums[2 * k] = (rows & (more > less)).sum()
+            sums[2 * k + 1] = (rows & decided).sum()
+        sums[4] = (~decided).sum()
+        sums[5] = len(mine)
+    win_s, n_s, win_a, n_a, neutral, count = distributed.all_reduce_sum(sums).tolist()
+    return {"stereotype_score": (win_s + win_a) / count,
+            "stereotype_score_stereo": win_s / n_s if n_s else math.nan,
+            "stereotype_score_antistereo": win_a / n_a if n_a else math.nan,
+            "stereotype_pairs_neutral": int(neutral)}
+
+
+def stereotype_score(model: nn.Module, tokenizer, pairs: list, device=None, batch_size: int = 16,
+                     progress: bool = False) -> float:
+    """The headline of :func:`stereotype_scores`: share of pairs where ``sent_more`` is the likelier
+    sentence (ties count 0; 0.5 ideal). Collective under ``torch.distributed`` like it."""
+    return stereotype_scores(model, tokenizer, pairs, device, batch_size, progress)["stereotype_score"]
 
 
 def eval_ids(text_or_ids: str | Iterable[str] | torch.Tensor, tokenizer=None, max_tokens: int | None = None) -> torch.Tensor:
@@ -162,10 +207,11 @@ class _on_device:
 def measure_lm(model: nn.Module, tokenizer, eval_text: str | torch.Tensor, eval_pairs: list, seqlen: int, device,
                eval_tokens: int | None = None, progress: bool = False) -> dict[str, float]:
     """Perplexity (non-overlapping windows over the first ``eval_tokens`` tokens of ``eval_text``,
-    all of it by default; text or :func:`eval_ids`) and paired stereotype score (0.5 ideal)."""
+    all of it by default; text or :func:`eval_ids`) and the paired stereotype scores
+    (:func:`stereotype_scores`: the headline, 0.5 ideal, its two directions and the neutral count)."""
     model.eval()
     return {
         "perplexity": float(perplexity(model, eval_text, tokenizer, seqlen=seqlen, device=device, batch_size=8,
                                        max_tokens=eval_tokens, progress=progress)),
-        "stereotype_score": float(stereotype_score(model, tokenizer, eval_pairs, device=device, progress=progress)),
+        **stereotype_scores(model, tokenizer, eval_pairs, device=device, progress=progress),
     }

@@ -11,10 +11,11 @@ The loop that SparseGPT, Debias-SparseGPT and Wanda share:
    the block back.
 
 Only the embedding front and one block are on the compute device at a time, so models larger
-than device memory can be pruned with the rest left on CPU. Statistics objects are plain
-tensors that reduce themselves across processes (see ``sparsegpt.Hessian.value``): under
-``torchrun`` each rank runs this loop on its shard of the batches (``llm.prune_causal_lm`` shards
-them) and the layers are pruned from the statistics of all ranks.
+than device memory can be pruned with the rest left on CPU. Statistics objects add one term per
+batch and reduce themselves across processes (see ``sparsegpt.Hessian.value``): under
+``torchrun`` each rank runs this loop on its share of the batches (``llm.prune_causal_lm`` deals
+them out whole) and the layers are pruned from the statistics of all ranks, which sum every
+batch's term exactly, so the result does not depend on the number of ranks.
 
 Aligned pairs (Debias-SparseGPT) travel as one batch ``cat([side0, side1])``; the layer hook
 splits it back in halves and calls ``stat.add_pair(x0, x1, mask)``.

@@ -6,9 +6,10 @@ layer-sequential calibration (except for magnitude, which needs no data) and rep
 achieved sparsity: exact zeros over the prunable linear weights of the transformer blocks.
 
 Under ``torch.distributed`` (``torchrun``, see :mod:`fairprune.distributed`) every rank calls these
-functions: each calibrates on its shard of the windows (and pairs), the statistics are summed
-across ranks, every rank solves the same layers from the same statistics, and rank 0's solution is
-broadcast so all ranks hold identical weights; the measurements are sharded the same way.
+functions: each calibrates on its share of the calibration batches (of windows, and of pairs), the
+statistics are summed across ranks exactly (:class:`~fairprune.distributed.ExactSum`), every rank
+solves the same layers from the same statistics, and rank 0's solution is broadcast so all ranks
+hold identical weights, those one process reaches; the measurements are sharded the same way.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def prune_causal_lm(
     anti-stereotypical batches (paired methods only), e.g. from ``fairprune.data.text.paired_ids``.
 
     Under ``torch.distributed`` every rank passes the same full ``calib_ids`` / ``pairs`` and
-    calibrates on its shard; all ranks end with the same weights.
+    calibrates on its share of the batches; all ranks end with one process's weights.
     """
     start = time.perf_counter()
     entry = registry.get(method, "lm")
@@ -145,9 +146,11 @@ def prune_causal_lm(
         def make_stat(name: str, layer: nn.Module):
             return entry.make_statistic(linear_weight(layer).shape[1], device=device)
 
-        # This rank's share of the windows and pairs (all of them in one process).
-        mine = None if pairs is None else tuple(distributed.shard(t) for t in pairs)
-        inputs = make_inputs(None if calib_ids is None else distributed.shard(calib_ids), mine, batch_size)
+        # This rank's share of the batches (all of them in one process). Batches are cut before they
+        # are dealt out, so each holds the same windows on any number of ranks: the statistics add
+        # the same per-batch terms (see sparsegpt's module docstring), and the result is exact.
+        inputs = [*distributed.shard(make_inputs(calib_ids, None, batch_size)),
+                  *distributed.shard(make_inputs(None, pairs, batch_size))]
         run_layerwise(model, family, inputs, device, make_stat, prune, progress, desc=method)
     layers = sparsity_by_layer(model, family)
     return {

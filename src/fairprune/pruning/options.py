@@ -40,6 +40,12 @@ class CalibrationOptions:
     def __post_init__(self) -> None:
         from fairprune.hub import resolve_device
 
+        # Checked here once for every LM command and the callback. One token predicts nothing.
+        window = " (a window predicts each token from the ones before it)"
+        for name, value, least, why in (("nsamples", self.nsamples, 1, ""), ("seqlen", self.seqlen, 2, window),
+                                        ("eval_seqlen", self.eval_seqlen, 2, window)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
+                raise UserError(f"--{name} must be a whole number >= {least}{why}, got {value}")
         resolve_device(self.device)  # an unknown or absent device is refused before any loading
         if self.eval_tokens is not None and self.eval_tokens < self.window:
             raise UserError(f"--eval_tokens {self.eval_tokens} is less than one perplexity window of {self.window} tokens; "

@@ -18,9 +18,11 @@ Two Hessians feed the same solver:
   ΔX part is ≈ two sentences' second moment, so both sources carry comparable weight while the
   ``2ΔXΔXᵀ`` term makes directions in which the pair differs expensive to disturb.
 
-Both are plain tensors; under ``torch.distributed`` (torchrun: each rank calibrates on its shard
-of the samples) they are summed across processes in :meth:`value`, each weighted by its sample
-count, so every rank gets the same global average (:mod:`fairprune.distributed`).
+Both keep the sum of the per-batch products (each computed in float32) in a
+:class:`fairprune.distributed.ExactSum` and divide by the sample count in :meth:`value`. Under
+``torch.distributed`` (torchrun: each rank calibrates on its share of the batches) the sums and
+counts are added across processes there; as the sum does not depend on the order of its terms,
+N ranks get one process's Hessian, so its masks and weights, bit for bit.
 """
 
 from __future__ import annotations
@@ -47,52 +49,39 @@ def _batch_size(x: torch.Tensor) -> int:
     return x.shape[0] if x.dim() > 2 else 1
 
 
-def _global_average(avg: torch.Tensor, count: int) -> tuple[torch.Tensor, int]:
-    """Combine per-process running averages into the global one (identity without a group).
-    A rank without samples (more ranks than samples) adds zero weight."""
+def _global_count(count: int) -> int:
+    """The number of samples over every process (``count`` without a group)."""
     if distributed.world()[1] == 1:
-        return avg, count
-    total = distributed.all_reduce_sum(avg * count)
-    n = distributed.all_reduce_sum(torch.tensor([float(count)], device=avg.device))
-    return total / n.clamp(min=1), int(n.item())
-
-
-def _accumulator(columns: int, device, dtype: torch.dtype) -> torch.Tensor:
-    """A float64 running average (float32 where the device has no float64). Each batch's product
-    is computed in ``dtype``; only the running sum is wide, so it hardly depends on the order the
-    samples arrive in and a sharded (torchrun) run reaches one process's Hessian and mask."""
-    wide = dtype if torch.device(device or "cpu").type == "mps" else torch.float64
-    return torch.zeros(columns, columns, device=device, dtype=wide)
+        return count
+    return int(distributed.all_reduce_sum(torch.tensor([float(count)], dtype=torch.float64)).item())
 
 
 class Hessian:
-    """Running ``H = 2/n Σ XXᵀ`` over calibration sequences, fed by :meth:`add_batch`."""
+    """``H = 2/n Σ XXᵀ`` over calibration sequences, fed by :meth:`add_batch`."""
 
     def __init__(self, columns: int, device=None, dtype=torch.float32):
-        self.dtype = dtype
-        self.H = _accumulator(columns, device, dtype)
+        self.dtype, self.device = dtype, device
+        self.sum = distributed.ExactSum((columns, columns), device)  # Σ XXᵀ, one term per batch
         self.count = 0
 
     def add_batch(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Add inputs ``x`` [batch, seq, cols]; ``mask`` [batch, seq] selects the tokens that count."""
-        b = _batch_size(x)
         rows = _tokens(x, mask).to(self.dtype)
-        # Rescale before adding so H stays an average (well-ranged for long runs).
-        self.H *= self.count / (self.count + b)
-        self.count += b
-        self.H += (rows.T @ rows).to(self.H.dtype) * (2 / self.count)
+        self.count += _batch_size(x)
+        self.sum.add(rows.T @ rows)
 
     def value(self) -> torch.Tensor:
-        """The Hessian, averaged over every process of a distributed run."""
-        return _global_average(self.H, self.count)[0].to(self.dtype)
+        """The Hessian over every process of a distributed run (zeros before any sample)."""
+        total, n = self.sum.total(), _global_count(self.count)
+        return (total * 2 / max(n, 1)).to(self.dtype).to(self.device or total.device)
 
 
 class PairedHessian:
     """Debias-SparseGPT Hessian: paired term plus an optional plain term (see module docstring)."""
 
     def __init__(self, columns: int, device=None, dtype=torch.float32):
-        self.dtype = dtype
-        self.P = _accumulator(columns, device, dtype)
+        self.dtype, self.device = dtype, device
+        self.sum = distributed.ExactSum((columns, columns), device)  # Σ X0X0ᵀ + X1X1ᵀ + 2ΔXΔXᵀ, one term per batch
         self.pairs = 0
         self.plain = Hessian(columns, device, dtype)
 
@@ -103,13 +92,10 @@ class PairedHessian:
                 f"paired inputs must align token-wise, got shapes {tuple(x0.shape)} and {tuple(x1.shape)}; "
                 "pad or truncate both sides of every pair to the same length"
             )
-        b = _batch_size(x0)
         a, c = _tokens(x0, mask).to(self.dtype), _tokens(x1, mask).to(self.dtype)
         d = a - c
-        # Running mean over pairs: every pair gets weight 1/P, early or late.
-        self.P *= self.pairs / (self.pairs + b)
-        self.pairs += b
-        self.P += (a.T @ a + c.T @ c + 2 * d.T @ d).to(self.P.dtype) / self.pairs
+        self.pairs += _batch_size(x0)  # every pair gets weight 1/P
+        self.sum.add(a.T @ a + c.T @ c + 2 * d.T @ d)
 
     def add_batch(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Add unpaired inputs (plain SparseGPT term)."""
@@ -117,9 +103,11 @@ class PairedHessian:
 
     def value(self) -> torch.Tensor:
         """Paired term plus plain term, each averaged over every process."""
-        paired, _ = _global_average(self.P, self.pairs)
-        plain, n_plain = _global_average(self.plain.H, self.plain.count)
-        return (paired + plain if n_plain else paired).to(self.dtype)
+        pairs, plain = _global_count(self.pairs), _global_count(self.plain.count)
+        H = self.sum.total() / max(pairs, 1)
+        if plain:
+            H = H + self.plain.sum.total() * 2 / plain
+        return H.to(self.dtype).to(self.device or H.device)
 
 
 def inverse_hessian_cholesky(H: torch.Tensor, percdamp: float = 0.01, retries: int = 4) -> torch.Tensor:

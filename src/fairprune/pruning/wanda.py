@@ -17,21 +17,24 @@ from fairprune.pruning.sparsity import Sparsity
 
 
 class InputNorms:
-    """Per-column ``Σ x_j²`` over calibration tokens; a plain tensor, summed across processes
-    (torchrun: each rank adds its shard's tokens)."""
+    """Per-column ``Σ x_j²`` over calibration tokens, one float32 term per batch in a
+    :class:`fairprune.distributed.ExactSum`: summed across processes (torchrun: each rank adds its
+    share of the batches) to one process's sum bit for bit."""
 
     def __init__(self, columns: int, device=None):
-        self.sq = torch.zeros(columns, device=device, dtype=torch.float32)
+        self.device = device
+        self.sq = distributed.ExactSum((columns,), device)
 
     def add_batch(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Add inputs ``x`` [batch, seq, cols]; ``mask`` [batch, seq] selects the tokens that count."""
         if mask is not None:
             x = x[mask.to(x.device, torch.bool)]
-        self.sq += x.reshape(-1, x.shape[-1]).float().pow(2).sum(0)
+        self.sq.add(x.reshape(-1, x.shape[-1]).float().pow(2).sum(0))
 
     def value(self) -> torch.Tensor:
-        """``‖X_j‖₂`` per input column over all processes' tokens."""
-        return distributed.all_reduce_sum(self.sq.clone()).sqrt()
+        """``‖X_j‖₂`` per input column over all processes' tokens (float32)."""
+        total = self.sq.total()
+        return total.sqrt().float().to(self.device or total.device)
 
 
 def wanda_mask(W: torch.Tensor, norms: torch.Tensor, sparsity: Sparsity) -> torch.Tensor:

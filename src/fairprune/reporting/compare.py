@@ -1,7 +1,8 @@
 """The one comparison writer: every ``compare`` command (vision, LM weights, heads, Diff-Pruning)
 hands its rows here and gets the same files and the same printed table: ``comparison.csv``,
 ``comparison.md``, ``report.json``, ``report.html`` (one self-contained page) and, when the rows
-carry per-group accuracies (``acc/<group>`` columns), ``group_accuracy.png``.
+carry per-group accuracies (``acc/<group>`` columns), ``group_accuracy.png``; when they carry
+perplexity and a bias figure (LM and head compares), ``perplexity_bias.png``.
 
 Rows of repeated runs (several seeds) carry a ``seed`` column; :func:`aggregate` folds them into one
 row per method and setting with each figure's mean, standard deviation and count of runs.
@@ -18,7 +19,7 @@ from typing import Any
 import pandas as pd
 
 from fairprune.reporting.html import write_html
-from fairprune.reporting.plots import plot_group_accuracy
+from fairprune.reporting.plots import plot_group_accuracy, plot_quality_bias
 from fairprune.reporting.records import Row, as_dicts
 from fairprune.reporting.report import markdown, write_json
 from fairprune.storage.atomic import write_csv, write_text
@@ -69,9 +70,57 @@ def _mean_sd(mean: Any, sd: Any) -> str:
     return f"{mean:.4f} ± {sd:.4f}"
 
 
+#: The figures whose confidence intervals a table shows, in this order.
+INTERVALS = ("accuracy", "acc_gap", "degradation_std")
+
+
+def add_intervals(table: pd.DataFrame, shown: pd.DataFrame, intervals: Sequence[tuple[dict[str, Any], dict[str, Any]]],
+                  level: float = 0.95) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Each row's intervals (``(key columns and values, bootstrap result)`` pairs, matched on the
+    key columns): numeric ``<figure>_ci_low`` / ``_ci_high`` columns in the table, one
+    ``<figure> 95% CI`` column in the shown one."""
+    table, shown = table.copy(), shown.copy()
+    for figure in INTERVALS:
+        lows, highs = [float("nan")] * len(table), [float("nan")] * len(table)
+        for i in range(len(table)):
+            for key, ci in intervals:
+                if all(k in table.columns and table.iloc[i][k] == v for k, v in key.items()) and figure in ci:
+                    lows[i], highs[i] = ci[figure]
+        if all(math.isnan(v) for v in lows):
+            continue
+        table[f"{figure}_ci_low"], table[f"{figure}_ci_high"] = lows, highs
+        shown[f"{figure} {level:.0%} CI"] = ["" if math.isnan(lo) else f"[{lo:.3f}, {hi:.3f}]" for lo, hi in zip(lows, highs)]
+    return table, shown
+
+
+def add_paired(table: pd.DataFrame, shown: pd.DataFrame, paired: Sequence[tuple[dict[str, Any], dict[str, Any]]],
+               baseline: str, level: float = 0.95) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Each row's paired difference against ``baseline`` (``(key columns and values,
+    paired_difference result)`` pairs): numeric ``<figure>_diff`` / ``_diff_ci_low`` /
+    ``_diff_ci_high`` columns, and one ``Δ <figure> vs <baseline>`` column shown as
+    ``+0.051 [0.020, 0.083] *`` (``*``: the interval excludes 0)."""
+    table, shown = table.copy(), shown.copy()
+    for figure in INTERVALS:
+        values = [[float("nan")] * 3 + [False] for _ in range(len(table))]
+        for i in range(len(table)):
+            for key, result in paired:
+                if all(k in table.columns and table.iloc[i][k] == v for k, v in key.items()) and figure in result:
+                    r = result[figure]
+                    values[i] = [r["difference"], *r["ci"], r["excludes_zero"]]
+        if all(math.isnan(v[0]) for v in values):
+            continue
+        for j, suffix in enumerate(("diff", "diff_ci_low", "diff_ci_high")):
+            table[f"{figure}_{suffix}"] = [v[j] for v in values]
+        shown[f"Δ {figure} vs {baseline}"] = ["" if math.isnan(d) else f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]{' *' if sig else ''}"
+                                               for d, lo, hi, sig in values]
+    return table, shown
+
+
 def write_comparison(rows: Sequence[Row | dict[str, Any]], output: str | os.PathLike, extra: dict[str, Any] | None = None,
                      index: str = "method", echo: bool = True, keys: Sequence[str] | None = None,
-                     figures: Sequence[tuple[str | os.PathLike, str]] = (), title: str = "comparison") -> pd.DataFrame:
+                     figures: Sequence[tuple[str | os.PathLike, str]] = (), title: str = "comparison",
+                     intervals: Sequence[tuple[dict[str, Any], dict[str, Any]]] = (),
+                     paired: Sequence[tuple[dict[str, Any], dict[str, Any]]] = (), baseline: str = "") -> pd.DataFrame:
     """Write the comparison of ``rows`` (records of :mod:`~fairprune.reporting.records`, or plain
     dicts) into ``output`` and return its table; ``echo`` prints it.
 
@@ -80,7 +129,9 @@ def write_comparison(rows: Sequence[Row | dict[str, Any]], output: str | os.Path
     ``n``, ``<figure>_mean`` and ``<figure>_sd`` columns, ``comparison_runs.csv`` every run, and
     the markdown / HTML tables show ``mean ± sd``. Otherwise the table is the rows themselves.
 
-    ``figures`` (``(png path, caption)`` pairs, e.g. the vision compare's plots) are embedded in
+    ``intervals``: bootstrap intervals per row (:func:`add_intervals`), pooled over seeds for
+    repeated runs; ``paired``: each row's difference against ``baseline`` on the same test items
+    (:func:`add_paired`). ``figures`` (``(png path, caption)`` pairs, e.g. the vision compare's plots) are embedded in
     ``report.html`` with the table. ``report.json`` holds ``{"comparison": rows, "threads": torch's
     CPU threads, **extra}`` (and
     ``"aggregate"`` for repeated runs); it is written last, so a folder with a ``report.json``
@@ -97,6 +148,10 @@ def write_comparison(rows: Sequence[Row | dict[str, Any]], output: str | os.Path
         write_csv(out / "comparison_runs.csv", raw, index=False)
     else:
         table = shown = raw
+    if intervals:
+        table, shown = add_intervals(table, shown, intervals)
+    if paired:
+        table, shown = add_paired(table, shown, paired, baseline)
     write_csv(out / "comparison.csv", table, index=False)
     text = markdown(shown.set_index(index)) if index in shown.columns else markdown(shown)
     write_text(out / "comparison.md", text + "\n")
@@ -104,6 +159,11 @@ def write_comparison(rows: Sequence[Row | dict[str, Any]], output: str | os.Path
     accuracy = plot_group_accuracy(table, out / "group_accuracy.png", index=index)
     if accuracy is not None:
         plots.insert(0, (accuracy, "Accuracy per group" + (" (mean ± sd over seeds)" if repeated else "")))
+    quality = plot_quality_bias(table, out / "perplexity_bias.png", index=index)  # LM and heads compares
+    if quality is not None:
+        bias = "stereotype score (0.5: no preference)" if any(c.startswith("stereotype_score") for c in table.columns) \
+            else "summed bias over the axes"
+        plots.insert(0, (quality, f"Perplexity against {bias} per method and setting; the dense model is the black star"))
     write_html(out / "report.html", title, shown, plots, extra)
     import torch  # loaded already by every compare: each comparison says how many CPU threads it ran with
 

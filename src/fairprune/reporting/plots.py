@@ -1,5 +1,9 @@
 """Plots of runs and comparisons (matplotlib, Agg backend): per-group error-rate changes with
-95 % ellipses (FairGRAPE's Fig. 3), kept importance share per layer (Fig. 5), head scores (FASP)."""
+95 % ellipses (FairGRAPE's Fig. 3), kept importance share per layer (Fig. 5), head scores (FASP),
+accuracy per group, and perplexity against bias for LM comparisons.
+
+Each comparison plot has a ``*_figure`` builder (the figure, for inspection) and a ``plot_*``
+function that saves it; legends sit beside the axes so they never cover data."""
 
 from __future__ import annotations
 
@@ -36,9 +40,10 @@ def confidence_ellipse(points, level_chi2: float = 5.991) -> tuple[tuple[float, 
     return (float(pts[:, 0].mean()), float(pts[:, 1].mean())), float(width), float(height), angle
 
 
-def _error_rate_points(reports: dict[str, Any] | list[dict[str, Any]]) -> tuple[list[tuple[float, float]], list[tuple[float, float]]]:
-    """Per-group (Δ FPR, Δ FNR) against each report's dense reference; for a list of reports (one
-    per seed) the per-group mean over them and its sample standard deviation (0 for one report)."""
+def _error_rate_points(reports: dict[str, Any] | list[dict[str, Any]]) -> tuple[list[str], list[tuple[float, float]], list[tuple[float, float]]]:
+    """Group names and per-group (Δ FPR, Δ FNR) against each report's dense reference; for a list
+    of reports (one per seed) the per-group mean over them and its sample standard deviation (0 for
+    one report)."""
     import numpy as np
 
     per_group: dict[str, list[tuple[float, float]]] = {}
@@ -52,27 +57,42 @@ def _error_rate_points(reports: dict[str, Any] | list[dict[str, Any]]) -> tuple[
         arr = np.asarray(values, dtype=float)
         means.append(tuple(arr.mean(0)))
         sds.append(tuple(arr.std(0, ddof=1)) if len(arr) > 1 else (0.0, 0.0))
-    return means, sds
+    return list(per_group), means, sds
 
 
-def plot_error_rate_changes(reports: dict[str, Any], path: str | os.PathLike) -> Path:
-    """Per-group change of FPR (x) and FNR (y) against the dense reference, one colour per run,
-    with each run's 95 % ellipse (FairGRAPE's Fig. 3). A run given as a list of reports (one per
-    seed) is drawn at each group's mean change with ±1 sd error bars."""
+#: One marker per group in the error-rate chart (colour is the run), reused past the eighth group.
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
+def _legend_beside(ax, handles=None, title: str | None = None):
+    """A legend right of the axes, off the data (saved with ``bbox_inches="tight"``, so the image
+    grows to hold it)."""
+    return ax.legend(handles=handles, title=title, fontsize=8, title_fontsize=8, loc="upper left",
+                     bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
+
+
+def error_rate_figure(reports: dict[str, Any]):
+    """The figure of :func:`plot_error_rate_changes`: colour says the run, marker the group."""
+    from matplotlib.lines import Line2D
     from matplotlib.patches import Ellipse
 
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(6, 5))
+    fig, ax = plt.subplots(figsize=(8, 5))
+    runs, markers = [], {}
     for i, (name, report) in enumerate(reports.items()):
-        pts, sds = _error_rate_points(report)
+        groups, pts, sds = _error_rate_points(report)
         if not pts:
             continue
         colour = f"C{i}"
-        if any(x or y for x, y in sds):
-            ax.errorbar(*zip(*pts), xerr=[s[0] for s in sds], yerr=[s[1] for s in sds], fmt="o", color=colour,
-                        capsize=3, label=f"{name} (mean ± sd, n={len(report)})")
-        else:
-            ax.scatter(*zip(*pts), color=colour, label=name)
+        repeated = any(x or y for x, y in sds)
+        for group, (x, y), (sx, sy) in zip(groups, pts, sds):
+            marker = markers.setdefault(group, MARKERS[len(markers) % len(MARKERS)])
+            if repeated:
+                ax.errorbar(x, y, xerr=sx, yerr=sy, fmt=marker, color=colour, capsize=3, ms=6)
+            else:
+                ax.plot(x, y, marker, color=colour, ms=6)
+        runs.append(Line2D([], [], color=colour, marker="o", ls="", label=f"{name} (mean ± sd, n={len(report)})"
+                           if repeated else name))
         ellipse = confidence_ellipse(pts)
         if ellipse:
             centre, width, height, angle = ellipse
@@ -81,38 +101,56 @@ def plot_error_rate_changes(reports: dict[str, Any], path: str | os.PathLike) ->
     ax.axvline(0, color="grey", lw=0.5)
     ax.set_xlabel("Δ FPR per group (pruned − dense)")
     ax.set_ylabel("Δ FNR per group (pruned − dense)")
-    ax.legend(fontsize=8)
+    if runs:  # one legend, so the two lists cannot overlap however long they are
+        spacer = Line2D([], [], ls="", label=" ")
+        groups = [Line2D([], [], color="dimgrey", marker=m, ls="", label=g) for g, m in markers.items()]
+        _legend_beside(ax, [*runs, spacer, *groups], title="colour: run, marker: group")
     ax.autoscale_view()
-    return _save(fig, path)
+    return fig
+
+
+def plot_error_rate_changes(reports: dict[str, Any], path: str | os.PathLike) -> Path:
+    """Per-group change of FPR (x) and FNR (y) against the dense reference, one colour per run and
+    one marker per group, with each run's 95 % ellipse (FairGRAPE's Fig. 3). A run given as a list
+    of reports (one per seed) is drawn at each group's mean change with ±1 sd error bars."""
+    return _save(error_rate_figure(reports), path)
+
+
+def group_shares_figure(shares: pd.DataFrame):
+    """The figure of :func:`plot_group_shares`. Targets often lie on the kept shares, so they are
+    drawn over them, dashed with a white casing, to stay visible."""
+    from matplotlib import patheffects
+
+    plt = _plt()
+    last = shares[shares["step"] == shares["step"].max()]
+    layers = list(dict.fromkeys(last["layer"]))
+    fig, ax = plt.subplots(figsize=(min(10, max(6, len(layers) * 0.25)) + 2, 4))  # capped: see group_accuracy_figure
+    x = range(len(layers))
+    casing = [patheffects.withStroke(linewidth=3.5, foreground="white")]
+    for i, (group, rows) in enumerate(last.groupby("group", sort=False)):
+        stats = rows.groupby("layer", sort=False)[["share", "target"]].agg(["mean", "std"]).loc[layers]
+        mean, sd = stats[("share", "mean")], stats[("share", "std")].fillna(0.0)
+        ax.plot(x, mean, marker="o", ms=3, lw=1.2, color=f"C{i}", label=f"{group} kept", zorder=2)
+        if (sd > 0).any():
+            ax.fill_between(x, mean - sd, mean + sd, color=f"C{i}", alpha=0.2, lw=0, zorder=1)
+        ax.plot(x, stats[("target", "mean")], ls=(0, (4, 2)), lw=1.6, color=f"C{i}", label=f"{group} target",
+                zorder=3, path_effects=casing)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("share of importance")
+    ax.set_title("kept share (solid, dots) vs target share (dashed)")
+    _legend_beside(ax)
+    return fig
 
 
 def plot_group_shares(shares: pd.DataFrame, path: str | os.PathLike) -> Path:
     """Each group's share of kept importance per layer at the last pruning step, against its
     target share (FairGRAPE's Fig. 5). Rows of several seeds (a ``seed`` column) are drawn as
     their mean with a ±1 sd band."""
-    plt = _plt()
-    last = shares[shares["step"] == shares["step"].max()]
-    layers = list(dict.fromkeys(last["layer"]))
-    fig, ax = plt.subplots(figsize=(max(6, len(layers) * 0.25), 4))
-    x = range(len(layers))
-    for i, (group, rows) in enumerate(last.groupby("group", sort=False)):
-        stats = rows.groupby("layer", sort=False)[["share", "target"]].agg(["mean", "std"]).loc[layers]
-        mean, sd = stats[("share", "mean")], stats[("share", "std")].fillna(0.0)
-        ax.plot(x, mean, marker="o", ms=3, color=f"C{i}", label=f"{group} kept")
-        if (sd > 0).any():
-            ax.fill_between(x, mean - sd, mean + sd, color=f"C{i}", alpha=0.2, lw=0)
-        ax.plot(x, stats[("target", "mean")], ls="--", color=f"C{i}", lw=0.8)
-    ax.set_xlabel("layer")
-    ax.set_ylabel("share of importance")
-    ax.set_title("kept share (solid) vs target share (dashed)")
-    ax.legend(fontsize=7)
-    return _save(fig, path)
+    return _save(group_shares_figure(shares), path)
 
 
-def plot_group_accuracy(table: pd.DataFrame, path: str | os.PathLike, index: str = "method") -> Path | None:
-    """Accuracy per group for every row of a comparison table (bars), with ±1 sd error bars when
-    the table is aggregated over seeds (``acc/<group>_mean`` / ``_sd`` columns). None (and no
-    file) when the table has no per-group accuracy."""
+def group_accuracy_figure(table: pd.DataFrame, index: str = "method"):
+    """The figure of :func:`plot_group_accuracy`, or None without per-group accuracy."""
     import numpy as np
 
     means = [c for c in table.columns if c.startswith("acc/") and not c.endswith("_sd")]
@@ -128,20 +166,123 @@ def plot_group_accuracy(table: pd.DataFrame, path: str | os.PathLike, index: str
             label += f" {sparsity:g}"
         labels.append(label)
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(labels) * max(1, len(groups)) / 3), 4))
+    # Capped: the page scales the image to its width, and a wider one would shrink its text.
+    fig, ax = plt.subplots(figsize=(min(12, max(6, 1.2 * len(labels) * max(1, len(groups)) / 3)) + 2, 4))
     width = 0.8 / len(groups)
+    top = 1.0
     for j, (group, column) in enumerate(zip(groups, means)):
-        values = table[column].astype(float).to_numpy()
+        values = np.nan_to_num(table[column].astype(float).to_numpy())
         sd_column = column[:-5] + "_sd" if column.endswith("_mean") else None
         errors = table[sd_column].astype(float).fillna(0.0).to_numpy() if sd_column in table else None
-        ax.bar(np.arange(len(labels)) + (j - (len(groups) - 1) / 2) * width, np.nan_to_num(values), width,
+        top = max(top, float((values + (0 if errors is None else errors)).max()))
+        ax.bar(np.arange(len(labels)) + (j - (len(groups) - 1) / 2) * width, values, width,
                yerr=errors, capsize=2, color=f"C{j}", label=group)
     ax.set_xticks(range(len(labels)), labels, rotation=20, ha="right")
     ax.set_ylabel("accuracy")
-    ax.set_ylim(0, 1)
+    ax.set_ylim(0, top + 0.05)  # an error bar past 1.0 is drawn whole, not cut at the frame
+    ax.set_yticks(np.linspace(0, 1, 6))
     ax.set_title("accuracy per group" + (" (mean ± sd)" if means[0].endswith("_mean") else ""))
-    ax.legend(fontsize=7, ncol=min(len(groups), 4))
-    return _save(fig, path)
+    _legend_beside(ax, title="group")
+    return fig
+
+
+def plot_group_accuracy(table: pd.DataFrame, path: str | os.PathLike, index: str = "method") -> Path | None:
+    """Accuracy per group for every row of a comparison table (bars), with ±1 sd error bars when
+    the table is aggregated over seeds (``acc/<group>_mean`` / ``_sd`` columns). None (and no
+    file) when the table has no per-group accuracy."""
+    fig = group_accuracy_figure(table, index)
+    return None if fig is None else _save(fig, path)
+
+
+def _column(table: pd.DataFrame, name: str) -> pd.Series | None:
+    """A figure's column, plain or aggregated over seeds (``<name>_mean``), as floats."""
+    for column in (name, f"{name}_mean"):
+        if column in table.columns:
+            return pd.to_numeric(table[column], errors="coerce")
+    return None
+
+
+def _interval(table: pd.DataFrame, name: str, values: pd.Series):
+    """Asymmetric error bars from ``<name>_ci_low`` / ``_ci_high`` columns, or None without them."""
+    import numpy as np
+
+    low, high = _column(table, f"{name}_ci_low"), _column(table, f"{name}_ci_high")
+    if low is None or high is None or (low.isna() & high.isna()).all():
+        return None
+    return np.vstack([(values - low).clip(lower=0).fillna(0), (high - values).clip(lower=0).fillna(0)])
+
+
+def quality_bias_figure(table: pd.DataFrame, index: str = "method"):
+    """The figure of :func:`plot_quality_bias`, or None when the table has no perplexity or no
+    bias figure (not an LM comparison)."""
+    import numpy as np
+    from matplotlib.lines import Line2D
+
+    x = _column(table, "perplexity")
+    y = _column(table, "stereotype_score")
+    ylabel, ci_name = "stereotype score (0.5: no preference)", "stereotype_score"
+    if y is None:
+        axes = [c for c in table.columns if c.startswith("bias/") and not c.endswith(("_sd", "_ci_low", "_ci_high"))]
+        if axes:
+            y = sum(pd.to_numeric(table[c], errors="coerce") for c in axes)
+            names = [c[5:-5] if c.endswith("_mean") else c[5:] for c in axes]
+            ylabel, ci_name = f"summed bias ({' + '.join(names)})", "bias"
+    if x is None or y is None or table.empty or x.isna().all():
+        return None
+    methods = table[index].astype(str) if index in table.columns else pd.Series([""] * len(table), index=table.index)
+    setting = next((c for c in ("sparsity", "target_sparsity", "alpha") if c in table.columns), None)
+    xerr, yerr = _interval(table, "perplexity", x), _interval(table, ci_name, y)
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    handles = []
+    dense = methods == "dense"
+    for i, method in enumerate(dict.fromkeys(methods[~dense])):
+        rows = np.flatnonzero((methods == method).to_numpy())
+        colour, marker = f"C{i}", MARKERS[i % len(MARKERS)]  # a marker too: methods may land on one point
+        ax.plot(x.iloc[rows], y.iloc[rows], "-", color=colour, lw=0.8, alpha=0.6)
+        if xerr is not None or yerr is not None:
+            ax.errorbar(x.iloc[rows], y.iloc[rows], xerr=None if xerr is None else xerr[:, rows],
+                        yerr=None if yerr is None else yerr[:, rows], fmt=marker, color=colour, capsize=3, ms=7,
+                        mfc="none", mew=1.5)
+        else:
+            ax.plot(x.iloc[rows], y.iloc[rows], marker, color=colour, ms=7, mfc="none", mew=1.5)
+        handles.append(Line2D([], [], color=colour, marker=marker, ls="", mfc="none", mew=1.5, label=method))
+    for k in np.flatnonzero(dense.to_numpy()):
+        kw = {"xerr": None if xerr is None else xerr[:, [k]], "yerr": None if yerr is None else yerr[:, [k]]}
+        if kw["xerr"] is not None or kw["yerr"] is not None:
+            ax.errorbar([x.iloc[k]], [y.iloc[k]], fmt="none", color="black", capsize=3, **kw)
+        ax.plot(x.iloc[k], y.iloc[k], "*", color="black", ms=14, zorder=4)
+        ax.annotate("dense", (x.iloc[k], y.iloc[k]), xytext=(7, -10), textcoords="offset points", fontsize=8)
+    if dense.any():
+        handles.insert(0, Line2D([], [], color="black", marker="*", ms=12, ls="", label="dense"))
+    if setting is not None:
+        for k in range(len(table)):
+            value = table[setting].iloc[k]
+            if dense.iloc[k] or value is None or value != value:
+                continue
+            text = f"{value:g}" if isinstance(value, (int, float)) else str(value)
+            ax.annotate(f"α={text}" if setting == "alpha" else text, (x.iloc[k], y.iloc[k]), xytext=(5, 4),
+                        textcoords="offset points", fontsize=8)
+    if ci_name == "stereotype_score":
+        ax.axhline(0.5, color="grey", lw=0.8, ls=":")
+    finite = x[np.isfinite(x) & (x > 0)]
+    if len(finite) and finite.max() / finite.min() > 5:
+        ax.set_xscale("log")  # a pruned model's perplexity can be many times the dense one's
+    ax.set_xlabel("perplexity (lower is better)")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"perplexity against {'stereotype score' if ci_name == 'stereotype_score' else 'bias'}"
+                 + (f", labelled by {setting}" if setting else ""))
+    _legend_beside(ax, handles, title=index)
+    return fig
+
+
+def plot_quality_bias(table: pd.DataFrame, path: str | os.PathLike, index: str = "method") -> Path | None:
+    """Perplexity (x) against stereotype score (LM weight pruning) or summed bias over the
+    ``bias/<axis>`` columns (head pruning) (y), one colour per method, each point labelled with its
+    sparsity (or α), the dense model a black star; error bars where the table carries
+    ``<figure>_ci_low`` / ``_ci_high`` columns. None (and no file) without those figures."""
+    fig = quality_bias_figure(table, index)
+    return None if fig is None else _save(fig, path)
 
 
 def plot_head_heatmap(impact, axes: Sequence[str], protected: Sequence[tuple[int, int]] = (),
@@ -192,6 +333,6 @@ def _save(fig, path: str | os.PathLike) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")  # legends beside the axes are kept in the image
     _plt().close(fig)
     return path

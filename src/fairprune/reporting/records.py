@@ -85,8 +85,17 @@ class VisionRow:
 
     @classmethod
     def dense(cls, report: VisionReport, seed: int | None = None) -> VisionRow:
-        """The dense model's row, from a pruned run's ``reference``."""
-        return cls.from_report(report["reference"], "dense", 0.0, seed)
+        """The dense checkpoint's row, from a pruned run's ``dense`` (older reports: ``reference``)."""
+        return cls.from_report(report.get("dense") or report["reference"], "dense", 0.0, seed)
+
+    @classmethod
+    def continued(cls, report: VisionReport, seed: int | None = None) -> VisionRow | None:
+        """The compute-matched reference's row (the dense model trained as long as the pruning
+        schedule retrains), when the run measured against it."""
+        reference = report.get("reference") or {}
+        if reference.get("method") != "continued":
+            return None
+        return cls.from_report(reference, f"dense +{reference.get('epochs', '?')} epochs", 0.0, seed)
 
     def as_dict(self) -> dict[str, Any]:
         row: dict[str, Any] = {"method": self.method, "target_sparsity": self.target_sparsity,

@@ -65,6 +65,28 @@ def group_table(report: dict[str, Any]) -> pd.DataFrame:
     return frame
 
 
+# Names (groups, classes, methods) come from data and options: in a table cell they are text. A bar
+# or a newline would add a column or a row, a trailing backslash would escape the next border, and
+# ``<`` / ``&`` would reach a renderer as HTML; entities keep every one of them as its character.
+_MARKDOWN_ESCAPES = str.maketrans({"&": "&amp;", "<": "&lt;", ">": "&gt;", "|": "&#124;", "\\": "&#92;"})
+
+
+def markdown_text(value: Any) -> Any:
+    """``value`` as the text of one markdown table cell (strings only; numbers keep their type)."""
+    if isinstance(value, tuple):  # a MultiIndex label
+        return tuple(markdown_text(v) for v in value)
+    if not isinstance(value, str):
+        return value
+    return "<br>".join(value.translate(_MARKDOWN_ESCAPES).splitlines()) if value else value
+
+
 def markdown(frame: pd.DataFrame, floatfmt: str = ".4f") -> str:
-    """A markdown table (pandas + tabulate)."""
+    """A markdown table (pandas + tabulate) whose names and text cells are escaped (:func:`markdown_text`)."""
+    frame = frame.copy()
+    frame.columns = frame.columns.map(markdown_text)
+    frame.index = frame.index.map(markdown_text)
+    frame.index.names = [markdown_text(name) for name in frame.index.names]
+    for column in range(frame.shape[1]):
+        if not pd.api.types.is_numeric_dtype(frame.dtypes.iloc[column]):
+            frame.isetitem(column, frame.iloc[:, column].map(markdown_text))
     return frame.to_markdown(floatfmt=floatfmt)

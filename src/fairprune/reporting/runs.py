@@ -1,11 +1,17 @@
 """What a pruned LM run leaves on disk, in one place for the commands and the callbacks: the model
 folder (``save_pretrained``, so ``from_pretrained(output)`` loads it), its config, per-layer
 sparsity, plots and, written last, ``report.json`` (which always says how many CPU threads torch ran
-with: ``threads``)."""
+with: ``threads``).
+
+A run is written beside its folder and swapped in whole (:func:`fairprune.storage.folders.replace_folder`):
+an interrupted save or a full disk leaves the previous run as it was, never a mix of two runs. A
+model that is not finite is never saved.
+"""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,35 +19,78 @@ import pandas as pd
 import torch
 import yaml
 
+from fairprune.errors import UserError
+from fairprune.hub.checks import nonfinite
+from fairprune.reporting.model_card import write_model_card
 from fairprune.reporting.plots import plot_axis_correlation, plot_head_heatmap
 from fairprune.reporting.report import write_json
 from fairprune.storage.atomic import write_csv, write_text
+from fairprune.storage.folders import replace_folder
+
+# FASP's scoring journal: an interrupted run resumes from it, so it stays in the folder through a swap
+# (a run of another method replaces it with the rest).
+JOURNAL = ("head_scores.csv", "head_scores.json")
+# Every file an LM run of any method writes (a folder's previous run leaves as a whole, also one
+# written before runs listed their files): the model and tokenizer (``save_pretrained``), the tables,
+# the plots, the journal and the report.
+RUN_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
+             "pytorch_model*.bin.index.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+             "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "vocab.txt",
+             "sparsity.csv", "config.yaml", "report.json", "heads_heatmap.png", "axis_correlation.png", *JOURNAL)
+
+
+def check_result(model, output: str | os.PathLike, method: str | None = None) -> None:
+    """Refuse to save a model whose weights are not finite (the input was checked when it was
+    loaded, so the pruning produced it): one line, nothing written."""
+    found = nonfinite(model)
+    if found is not None:
+        what = f"pruning with {method}" if method else "the pruning"
+        raise UserError(f"{what} produced a broken model: parameter {found[0]} holds {found[1]} (the input model "
+                        f"was finite); nothing was written to '{output}' (try another method, sparsity or "
+                        "calibration set)")
 
 
 def write_lm_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any], config: dict[str, Any],
                  layers: dict[str, float] | None = None) -> Path:
     """A pruned LM's folder: the transformers model and tokenizer (``save_pretrained``: the
     folder itself loads with ``from_pretrained``), ``sparsity.csv`` (per layer, when given),
-    ``config.yaml`` and, last, ``report.json`` (with ``threads`` added when the caller left it out)."""
+    ``config.yaml`` and, last, ``report.json`` (with ``threads`` added when the caller left it out).
+    The previous run of ``output`` is replaced as a whole, once this one is complete."""
+    return _write_run(output, model, tokenizer, report, config, layers)
+
+
+def _write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any], config: dict[str, Any],
+               layers: dict[str, float] | None = None, extra: Callable[[Path], Any] | None = None,
+               keep: tuple[str, ...] = ()) -> Path:
+    """Write the run into a staging folder beside ``output`` and swap it in whole (``keep``: files
+    of ``output`` that stay); ``extra(folder)`` writes more files first."""
+    check_result(model, output, report.get("method"))
     report.setdefault("threads", torch.get_num_threads())
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    if layers is not None:
-        write_csv(out / "sparsity.csv", pd.DataFrame([{"layer": k, "sparsity": v} for k, v in layers.items()]), index=False)
-    write_text(out / "config.yaml", yaml.safe_dump(config, sort_keys=False))
-    write_json(out / "report.json", report)
-    return out
+
+    def write(out: Path) -> None:
+        if extra is not None:
+            extra(out)
+        model.save_pretrained(out)
+        tokenizer.save_pretrained(out)
+        if layers is not None:
+            write_csv(out / "sparsity.csv", pd.DataFrame([{"layer": k, "sparsity": v} for k, v in layers.items()]),
+                      index=False)
+        write_text(out / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+        write_model_card(out, report, config)  # README.md: the Hub's model card, the run's figures in it
+        write_json(out / "report.json", report)
+
+    return replace_folder(output, write, keep=keep, owned=RUN_FILES)
 
 
 def write_head_run(output: str | os.PathLike, model, tokenizer, result: Any, config: dict[str, Any]) -> Path:
     """A head-pruning run's folder: the plots of ``result`` (a ``FaspResult``: ``impact``, ``axes``,
-    ``protected``, ``removed``, ``bias_by_axis``), then the model and its report."""
-    out = Path(output)
-    out.mkdir(parents=True, exist_ok=True)
-    if result.impact is not None:
-        plot_head_heatmap(result.impact, result.axes, result.protected, result.removed, out / "heads_heatmap.png")
-    if result.bias_by_axis is not None:
-        plot_axis_correlation(result.bias_by_axis, out / "axis_correlation.png")
-    return write_lm_run(out, model, tokenizer, result.report, config)
+    ``protected``, ``removed``, ``bias_by_axis``), then the model and its report; the scoring
+    journal (``head_scores.csv``) stays in the folder."""
+
+    def plots(out: Path) -> None:
+        if result.impact is not None:
+            plot_head_heatmap(result.impact, result.axes, result.protected, result.removed, out / "heads_heatmap.png")
+        if result.bias_by_axis is not None:
+            plot_axis_correlation(result.bias_by_axis, out / "axis_correlation.png")
+
+    return _write_run(output, model, tokenizer, result.report, config, extra=plots, keep=JOURNAL)

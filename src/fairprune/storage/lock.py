@@ -1,17 +1,32 @@
 """One run per output folder: a lock file, ``<folder>/.lock``, held while a run writes the folder.
 
-The lock is a small JSON file (``pid``, ``host``, ``started``, ``command``) created atomically (it
+The lock is a small JSON file (``pid``, ``host``, ``started``, ``command``, and where the system
+tells them the process's start time ``pid_start`` and the ``boot_id``) created atomically (it
 appears with its content or not at all), so a second run into the same folder refuses at once with
-one line saying who holds it. A lock whose process is gone (same host, pid not alive) is taken over
-with a warning; a lock of another host cannot be checked and is never taken over (delete it by hand
-once that run is known to be gone). The lock is released when the run ends, also on error.
+one line saying who holds it. A lock whose process is gone is taken over with a warning: same host
+and the pid is not alive, or the pid is alive but is another process (its start time or the boot
+differs: a pid reused after a reboot or a container restart). A lock of another host cannot be
+checked and is never taken over (delete it by hand once that run is known to be gone). The lock is
+released when the run ends, also on error; folders the lock created are removed again if the run
+left them empty (refused, or failed before its first file).
 
-Under ``torchrun`` / Lightning's DDP launcher / SLURM only the first process (rank 0) takes it: the
-other ranks of the same run write nothing and must not refuse their own run.
+The ranks of one multi-process run must not refuse their own run; which process is "another rank"
+is decided from the processes themselves, never from ``RANK``-like variables (a stray one would
+switch the lock off):
+
+- while a ``torch.distributed`` group exists (torchrun's, made before the LM commands lock;
+  Lightning's, before ``train.py``'s callback locks), only its rank 0 takes the lock;
+- before any group exists, a process running the same command as the lock's live holder is a
+  rank of the holder's run when the holder is its ancestor (Lightning's DDP launcher runs the
+  command again in a child) or when both were started by one launch of torchrun or of a SLURM
+  step with several tasks (the same ``TORCHELASTIC_RUN_ID``, or ``SLURM_JOB_ID.SLURM_STEP_ID``,
+  recorded in the lock with the command's arguments: an id of one launch, which a second command
+  does not share): it takes no lock, in this folder or any other, for as long as it runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import json
@@ -20,7 +35,7 @@ import socket
 import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -28,21 +43,78 @@ from fairprune.errors import UserError
 from fairprune.storage.atomic import check_writable
 
 LOCK_NAME = ".lock"
-RANK_VARIABLES = ("RANK", "LOCAL_RANK", "NODE_RANK", "SLURM_PROCID")
 F = TypeVar("F", bound=Callable[..., Any])
 
 _held: set[Path] = set()  # the locks this process holds (a second run in one process is refused too)
+_launched_by: dict[str, Any] | None = None  # the lock holder whose run started this process, once seen
 
 
-def _secondary_rank() -> bool:
-    """True in every process of a multi-process run but the first."""
-    for name in RANK_VARIABLES:
+def _other_rank() -> bool:
+    """True in a rank of a process group other than its first, and in a rank a locked run launched."""
+    if _launched_by is not None:
+        return True
+    if "torch.distributed" not in sys.modules:  # no torch loaded, no process group: the lock needs no torch
+        return False
+    from fairprune import distributed
+
+    return distributed.world()[0] != 0
+
+
+def _stat(pid: int) -> list[str] | None:
+    """Fields 3 on of ``/proc/<pid>/stat`` (after the command name, which may hold spaces and
+    parentheses), or None where there is no such file."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except (OSError, ValueError):
+        return None
+    _, bracket, rest = text.rpartition(")")
+    fields = rest.split()
+    return fields if bracket and len(fields) > 19 else None
+
+
+def process_start(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (field 22 of /proc/<pid>/stat);
+    None where the system does not say."""
+    fields = _stat(pid)
+    try:
+        return int(fields[19]) if fields else None
+    except ValueError:
+        return None
+
+
+def boot_id() -> str | None:
+    """This boot's id (Linux), None elsewhere: a pid and a start time mean one process within one boot."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
+def launch_id() -> str | None:
+    """The id of the launch that started this process with others (torchrun, a SLURM step of
+    several tasks); None for a process started alone."""
+    run = os.environ.get("TORCHELASTIC_RUN_ID")
+    if run:
+        return f"torchelastic:{run}"
+    job, step, tasks = (os.environ.get(name) for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NTASKS"))
+    if job and step and (tasks or "").isdigit() and int(tasks) > 1:
+        return f"slurm:{job}.{step}"
+    return None
+
+
+def _ancestors() -> list[int]:
+    """The pids of this process's parent, its parent, ... (the parent alone where /proc is missing)."""
+    found, pid = [], os.getppid()
+    while pid > 0 and pid not in found and len(found) < 64:
+        found.append(pid)
+        fields = _stat(pid)
+        if fields is None:
+            break
         try:
-            if int(os.environ.get(name) or 0) != 0:
-                return True
+            pid = int(fields[1])
         except ValueError:
-            continue
-    return False
+            break
+    return found
 
 
 def pid_alive(pid: int) -> bool:
@@ -79,10 +151,12 @@ class RunLock:
         self.path = self.folder / name
         self.token = uuid.uuid4().hex
         self.held = False
+        self._made: list[Path] = []  # the folders acquire() created, deepest first
 
     def _info(self) -> dict[str, Any]:
-        return {"pid": os.getpid(), "host": socket.gethostname(),
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "command": " ".join(sys.argv), "token": self.token}
+        return {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                "command": " ".join(sys.argv), "argv": sys.argv[1:], "pid_start": process_start(os.getpid()),
+                "boot_id": boot_id(), "launch": launch_id(), "token": self.token}
 
     def _create(self) -> bool:
         """Create the lock file with its content in one step; False when one exists."""
@@ -107,32 +181,69 @@ class RunLock:
     def _try_create(self) -> bool:
         """:meth:`_create` in a folder made first; a folder that cannot be written is a user error."""
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            return self._create()
+            for attempt in range(3):
+                missing = [p for p in (self.folder, *self.folder.parents) if not p.exists()]
+                self.folder.mkdir(parents=True, exist_ok=True)
+                self._made += [p for p in missing if p not in self._made]
+                try:
+                    return self._create()
+                except FileNotFoundError:  # removed meanwhile, empty, by a run releasing its lock: make it again
+                    if attempt == 2 or self.folder.is_dir():
+                        raise
         except OSError as err:
             if self.folder.exists() and not self.folder.is_dir():
                 raise UserError(f"'{self.folder}' is a file, not a folder; pass an output folder to write the run to") from None
             reason = err.strerror or type(err).__name__
             raise UserError(f"cannot write to '{self.folder}' ({reason}); pass an output folder you can write to") from None
 
+    @staticmethod
+    def _reused(holder: dict[str, Any]) -> bool:
+        """The lock's pid names another process now: another boot, or a start time other than the
+        one recorded (only what both the lock and the system tell is compared)."""
+        boot = boot_id()
+        if isinstance(holder.get("boot_id"), str) and boot is not None and holder["boot_id"] != boot:
+            return True
+        start = process_start(holder["pid"])
+        return isinstance(holder.get("pid_start"), int) and start is not None and holder["pid_start"] != start
+
     def _stale(self, holder: dict[str, Any]) -> bool:
-        """A lock whose process is gone: same host and that pid is not alive (or is this process,
-        which holds no such lock)."""
+        """A lock whose process is gone: same host and that pid is not alive, or names another
+        process now, or is this process, which holds no such lock."""
         if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
             return False
+        if self._reused(holder):
+            return True
         if holder["pid"] == os.getpid():
             return self.path.resolve() not in _held
         return not pid_alive(holder["pid"])
 
+    @staticmethod
+    def _launched_this(holder: dict[str, Any]) -> bool:
+        """The (live, not reused) holder and this process run the same command as ranks of one
+        run, not as two runs: one launch started both (any host), or the holder started this
+        process. An ancestor must have recorded its start time where the system tells it, so an
+        old lock of an ancestor is never followed."""
+        if holder.get("argv") != sys.argv[1:]:
+            return False
+        launch = launch_id()
+        if launch is not None and holder.get("launch") == launch:
+            return True
+        if holder.get("host") != socket.gethostname() or holder.get("pid") not in _ancestors():
+            return False
+        return process_start(holder["pid"]) is None or isinstance(holder.get("pid_start"), int)
+
     def _busy(self, holder: dict[str, Any]) -> UserError:
-        who = (f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}" if holder
+        command = " ".join(str(holder.get("command") or "").split())
+        command = f": {command[:97]}..." if len(command) > 100 else f": {command}" if command else ""
+        who = (f"pid {holder.get('pid')} on {holder.get('host')}, started {holder.get('started')}{command}" if holder
                else "a run that is starting")
         return UserError(f"'{self.folder}' is in use by another run ({who}); wait for it to end or choose another "
                          f"output folder (if that run is gone, delete {self.path})")
 
     def acquire(self) -> RunLock:
         """Take the lock, or raise a :class:`UserError` naming the run that holds it."""
-        if self.held or _secondary_rank():
+        global _launched_by
+        if self.held or _other_rank():
             return self
         for _ in range(5):
             if self._try_create():
@@ -143,6 +254,10 @@ class RunLock:
             if not holder and self.path.exists():
                 raise self._busy(holder)  # unreadable or being written: never take it over
             if holder and not self._stale(holder):
+                if self._launched_this(holder):
+                    # Every folder this rank goes on to "write" is its run's, locked by the holder.
+                    _launched_by = holder
+                    return self
                 raise self._busy(holder)
             if holder:
                 self._take_over(holder)
@@ -163,8 +278,9 @@ class RunLock:
             aside.unlink(missing_ok=True)
             raise self._busy(_read(self.path))
         aside.unlink(missing_ok=True)
+        reused = f" (pid {holder.get('pid')} is another process now)" if self._reused(holder) else ""
         print(f"warning: taking over the lock of '{self.folder}' left by pid {holder.get('pid')} (started "
-              f"{holder.get('started')}), which is no longer running", file=sys.stderr, flush=True)
+              f"{holder.get('started')}), which is no longer running{reused}", file=sys.stderr, flush=True)
 
     def release(self) -> None:
         """Remove the lock if this run holds it (a lock taken over by another run is left alone)."""
@@ -174,6 +290,13 @@ class RunLock:
         _held.discard(self.path.resolve())
         if _read(self.path).get("token") == self.token:
             self.path.unlink(missing_ok=True)
+        # A run that wrote nothing (refused or failed before its first file) leaves no empty folders.
+        for folder in self._made:
+            try:
+                folder.rmdir()
+            except OSError:  # not empty (a run's files, another run's lock): kept, and its parents too
+                break
+        self._made = []
 
     def __enter__(self) -> RunLock:
         return self.acquire()
@@ -182,8 +305,13 @@ class RunLock:
         self.release()
 
 
-def locked(folder: Callable[..., str | os.PathLike | None]) -> Callable[[F], F]:
-    """Decorator: run the function holding the lock of ``folder(**its arguments)`` (None: no lock).
+Folders = str | os.PathLike | Sequence[str | os.PathLike] | None
+
+
+def locked(folder: Callable[..., Folders]) -> Callable[[F], F]:
+    """Decorator: run the function holding the lock of ``folder(**its arguments)`` (None: no lock);
+    a sequence of folders (a compare's output and its cells) is locked as one, in order, the first
+    being the command's output.
 
     ``@locked(lambda output, **_: output)`` locks a command's ``--output`` for as long as it runs,
     after checking that the folder can be written (the one place every command checks it).
@@ -197,11 +325,14 @@ def locked(folder: Callable[..., str | os.PathLike | None]) -> Callable[[F], F]:
         def run(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
-            path = folder(**bound.arguments)
-            if path is None:
+            paths = folder(**bound.arguments)
+            if paths is None:
                 return function(*args, **kwargs)
-            check_writable(path)  # an unwritable folder fails here, before any work, with one line
-            with RunLock(path):
+            paths = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
+            check_writable(paths[0])  # an unwritable folder fails here, before any work, with one line
+            with contextlib.ExitStack() as locks:
+                for path in dict.fromkeys(paths):  # a folder named twice is one folder
+                    locks.enter_context(RunLock(path))
                 return function(*args, **kwargs)
 
         return run  # type: ignore[return-value]

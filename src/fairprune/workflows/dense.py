@@ -12,8 +12,9 @@ The key is everything the figures depend on, each as a digest of what is actuall
   memory traffic as a single forward pass, small next to a perplexity measurement.
 - ``eval_ids``: the evaluation text as token ids, after the ``--eval_tokens`` cap; this covers the
   text, the tokenizer and the cap at once.
-- ``pairs``: the evaluation half of the stereotype pairs as the token ids the score reads; this
-  covers the pair file, the seeded split (``--seed``) and the tokenizer.
+- ``pairs``: the evaluation half of the stereotype pairs as the token ids the score reads, and
+  each pair's direction (the score's stereo / antistereo parts); this covers the pair file, the
+  seeded split (``--seed``) and the tokenizer.
 - ``window``, ``eval_tokens``, the device type and the weights' dtype, plus a format version and
   fairprune's version (a new version of the measuring code measures again).
 
@@ -37,13 +38,15 @@ from torch import nn
 
 import fairprune
 from fairprune import distributed
+from fairprune.data.pairs import direction
 from fairprune.data.text import encode_sentence
 from fairprune.hub import cache_dir
-from fairprune.metrics.language import measure_lm
+from fairprune.metrics.language import STEREOTYPE_KEYS, measure_lm
 from fairprune.reporting.report import write_json
 
-CACHE_VERSION = 1
-METRICS = ("perplexity", "stereotype_score")  # what measure_lm returns, in the order the ranks exchange them
+CACHE_VERSION = 2  # 2: the stereotype score is the CrowS-Pairs metric (sent_more wins, ties 0) with its parts
+METRICS = ("perplexity", *STEREOTYPE_KEYS)  # what measure_lm returns, in the order the ranks exchange them
+OPTIONAL = {"stereotype_score_stereo", "stereotype_score_antistereo"}  # NaN (null on disk): no pair of that direction decided
 
 
 @dataclass
@@ -82,7 +85,8 @@ def cache_key(model: nn.Module, tokenizer, eval_ids: torch.Tensor, eval_pairs: l
     pair_ids = [encode_sentence(tokenizer, sentence) for pair in eval_pairs for sentence in pair]
     return {
         "version": CACHE_VERSION, "fairprune": fairprune.__version__,
-        "model": weights_digest(model), "eval_ids": _ids_digest(eval_ids), "pairs": _ids_digest(pair_ids),
+        "model": weights_digest(model), "eval_ids": _ids_digest(eval_ids),
+        "pairs": _ids_digest([*pair_ids, [int(direction(pair) == "antistereo") for pair in eval_pairs]]),
         "window": int(window), "eval_tokens": eval_tokens,
         "device": torch.device(device).type, "dtype": str(next(model.parameters()).dtype),
     }
@@ -105,9 +109,10 @@ def _read(key: dict[str, Any]) -> dict[str, float] | None:
     if stored.get("key") != key or not isinstance(metrics, dict):
         return None
     values = [metrics.get(name) for name in METRICS]
-    if not all(isinstance(v, (int, float)) and math.isfinite(v) for v in values):
+    if not all((v is None and name in OPTIONAL) or (isinstance(v, (int, float)) and math.isfinite(v))
+               for name, v in zip(METRICS, values)):
         return None
-    return dict(zip(METRICS, map(float, values)))
+    return {name: math.nan if v is None else v for name, v in zip(METRICS, values)}
 
 
 def _agree(found: dict[str, float] | None) -> dict[str, float] | None:
@@ -121,7 +126,7 @@ def _agree(found: dict[str, float] | None) -> dict[str, float] | None:
     distributed.all_reduce_sum(shared)  # only rank 0 adds anything: every rank gets its values
     if shared[0] < 0.5:
         return None
-    return dict(zip(METRICS, shared[1:].tolist()))
+    return {name: int(v) if name == "stereotype_pairs_neutral" else v for name, v in zip(METRICS, shared[1:].tolist())}
 
 
 def dense_figures(model: nn.Module, tokenizer, eval_ids: torch.Tensor, eval_pairs: list, window: int,

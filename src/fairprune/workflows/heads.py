@@ -21,11 +21,13 @@ from fairprune.data.files import read_text
 from fairprune.data.prompts import read_prompts
 from fairprune.errors import UserError
 from fairprune.hub import load_model, load_tokenizer, resolve_device
+from fairprune.hub.checks import check_input_model, saved_bytes
 from fairprune.pruning import registry
 from fairprune.pruning.options import HeadOptions
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.records import HeadRow
-from fairprune.reporting.runs import write_head_run
+from fairprune.reporting.runs import check_result, write_head_run
+from fairprune.storage.folders import check_free_space
 from fairprune.storage.lock import locked
 from fairprune.workflows.launch import torchrun
 from fairprune.workflows.options import LMOptions, MachineOptions
@@ -37,7 +39,10 @@ def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alph
     model, its plots and ``report.json`` into ``output``."""
     from fairprune.pruning.fasp import Generation, run_fasp
 
-    model = load_model(lm.model, "causal-lm", lm.trust_remote_code).to(resolve_device(lm.device))
+    model = load_model(lm.model, "causal-lm", lm.trust_remote_code)
+    check_input_model(model, lm.model)  # before any work: NaN / inf weights cannot be scored
+    check_free_space(output, saved_bytes(model, tokenizer))
+    model = model.to(resolve_device(lm.device))
     prompts = read_prompts(heads.prompts) if heads.prompts else None
     scoring_text = read_text(lm.calib_text) if lm.calib_text else None
     eval_text = read_text(lm.eval_text) if lm.eval_text else None
@@ -47,14 +52,15 @@ def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alph
                       progress=machine.progress and distributed.is_main(), eval_tokens=lm.eval_tokens)
     result.report["model"] = lm.model
     config = {"method": method, **asdict(lm), **asdict(heads), "alpha": alpha}
+    check_result(model, output, method)  # on every rank: all stop together
     if distributed.is_main():
         write_head_run(output, model.cpu(), tokenizer, result, config)
     distributed.barrier()
     return result.report
 
 
+@torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
 @locked(lambda output, **_: output)
-@torchrun
 def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = HeadOptions(),
          machine: MachineOptions = MachineOptions()) -> dict[str, Any]:
     """FASP: remove the attention heads that most raise toxicity disparity, protecting the heads
@@ -87,8 +93,14 @@ def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = 
     return report
 
 
-@locked(lambda output, **_: output)
-@torchrun
+def _compare_folders(output: str, methods: list[str], alphas: list[float], **_: Any) -> list[Path]:
+    """Every folder :func:`compare_heads` writes, its output first, named as its loop names them:
+    all are locked before the model loads, so a run into one of them is refused while compare runs."""
+    return [Path(output)] + [Path(output) / f"{method}_a{alpha:g}" for method in methods for alpha in alphas]
+
+
+@torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
+@locked(_compare_folders)
 def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output: str,
                   heads: HeadOptions = HeadOptions(), machine: MachineOptions = MachineOptions()) -> pd.DataFrame:
     """FASP and its baselines at several α from one model: heads are scored once (the first run

@@ -31,6 +31,7 @@ from fairprune import distributed
 from fairprune.data.pairs import LMTexts, lm_texts
 from fairprune.families import family_of
 from fairprune.hub import load_model, load_tokenizer, resolve_device
+from fairprune.hub.checks import check_input_model, saved_bytes
 from fairprune.metrics.language import eval_ids
 from fairprune.pruning import registry
 from fairprune.pruning.llm import check_pattern_fits, evaluation_facts, prune_and_measure, sparsity_by_layer
@@ -39,7 +40,8 @@ from fairprune.pruning.sparsity import Sparsity
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.records import LMRow
 from fairprune.reporting.report import write_json
-from fairprune.reporting.runs import write_lm_run
+from fairprune.reporting.runs import check_result, write_lm_run
+from fairprune.storage.folders import check_free_space
 from fairprune.storage.lock import locked
 from fairprune.workflows.dense import DenseFigures, dense_figures
 from fairprune.workflows.launch import torchrun as _torchrun
@@ -47,10 +49,13 @@ from fairprune.workflows.options import LMOptions, MachineOptions
 
 
 def _load(lm: LMOptions, calibration: bool = True) -> tuple[LMTexts, Any, Any]:
-    """The texts, the tokenizer and the model of an LM command."""
+    """The texts, the tokenizer and the model of an LM command (a model with NaN / inf weights is
+    refused here, before any work)."""
     texts = lm_texts(lm.calib_text if calibration else None, lm.eval_text, lm.pairs, lm.seed)
     tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
-    return texts, tokenizer, load_model(lm.model, "causal-lm", lm.trust_remote_code)
+    model = load_model(lm.model, "causal-lm", lm.trust_remote_code)
+    check_input_model(model, lm.model)
+    return texts, tokenizer, model
 
 
 def _dense(model, tokenizer, texts: LMTexts, lm: LMOptions, machine: MachineOptions) -> tuple[torch.Tensor, DenseFigures]:
@@ -82,6 +87,7 @@ def prune_loaded(model, tokenizer, method: str, sparsity: Sparsity, output: str 
     report["seconds"] = {"load": load_seconds, "prune": seconds["prune"], "solve": seconds["solve"],
                          "evaluate": seconds["evaluate"] + dense_seconds,
                          "total": load_seconds + dense_seconds + time.perf_counter() - start}
+    check_result(model, output, method)  # on every rank (each holds the same model): all stop together
     if distributed.is_main():  # torchrun: every rank holds the same model and figures; one writes
         write_lm_run(output, model, tokenizer, report, config, layers)
         before, after = report["reference"]["metrics"], report["metrics"]
@@ -97,8 +103,8 @@ def _config(lm: LMOptions, machine: MachineOptions, **fields: Any) -> dict[str, 
     return {**fields, **asdict(lm), **asdict(machine)}
 
 
+@_torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
 @locked(lambda output, **_: output)
-@_torchrun
 def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm: str | None = None,
              solver: SolverOptions = SolverOptions(), machine: MachineOptions = MachineOptions()) -> dict[str, Any]:
     """Post-training pruning of a causal LM: load, measure, prune, measure again; writes the pruned
@@ -119,6 +125,7 @@ def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm:
     sparsity = Sparsity.parse(nm or sparsity)  # a bad value fails before the model loads
     texts, tokenizer, model = _load(lm)
     check_pattern_fits(model, sparsity)  # N:M against the layer widths, before the dense model is measured
+    check_free_space(output, saved_bytes(model, tokenizer))  # a full disk is found now, not after the work
     load_seconds = time.perf_counter() - start
     ids, dense = _dense(model, tokenizer, texts, lm, machine)
     config = _config(lm, machine, method=method, sparsity=str(sparsity), **asdict(solver))
@@ -126,8 +133,8 @@ def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm:
                         machine=machine, load_seconds=load_seconds)
 
 
+@_torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
 @locked(lambda output, **_: output)
-@_torchrun
 def evaluate_lm(lm: LMOptions, output: str | None = None, machine: MachineOptions = MachineOptions()) -> dict[str, Any]:
     """Perplexity, stereotype score and sparsity of any causal LM (from the cache when an earlier
     run measured the same weights on the same texts with the same settings).
@@ -158,8 +165,15 @@ def evaluate_lm(lm: LMOptions, output: str | None = None, machine: MachineOption
     return report
 
 
-@locked(lambda output, **_: output)
-@_torchrun
+def _compare_folders(output: str, methods: list[str], sparsities: list[str | float | Sparsity], **_: Any) -> list[Path]:
+    """Every folder :func:`compare_lm` writes, its output first, named as its loop names them: all
+    are locked before the model loads, so a run into one of them is refused while compare runs."""
+    parsed = [Sparsity.parse(s) for s in sparsities]
+    return [Path(output)] + [Path(output) / f"{method}_{s.label}" for method in methods for s in parsed]
+
+
+@_torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
+@locked(_compare_folders)
 def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float | Sparsity], output: str,
                solver: SolverOptions = SolverOptions(), machine: MachineOptions = MachineOptions()) -> pd.DataFrame:
     """Every method at every sparsity from one model: one run folder each (``<method>_<sparsity>``)
@@ -173,6 +187,7 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     texts, tokenizer, model = _load(lm)
     for s in sparsities:  # every N:M pattern must fit the layer widths before the first run
         check_pattern_fits(model, s)
+    check_free_space(output, saved_bytes(model, tokenizer) * len(methods) * len(sparsities))
     load_seconds = time.perf_counter() - start
     ids, dense = _dense(model, tokenizer, texts, lm, machine)
     dense_zeros = sparsity_by_layer(model, family_of(model))["__total__"]

@@ -8,19 +8,15 @@ between steps with a real Trainer, test, and write the usual run folder.
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import json
-import pickle
 import time
-import zipfile
 from pathlib import Path
 from pkgutil import resolve_name
 from typing import Any
 
 import lightning as L
 import pandas as pd
-import torch
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -32,13 +28,26 @@ from fairprune.callbacks.history import remember_metrics
 from fairprune.callbacks.progress import ProgressBar
 from fairprune.callbacks.pruning import IterativePruning
 from fairprune.callbacks.report import ReportWriter
+from fairprune.callbacks.signals import CheckpointOnStop, stop_in, stops_reported
 from fairprune.errors import UserError
+from fairprune.metrics.group.bootstrap import bootstrap
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.plots import plot_error_rate_changes, plot_group_shares
 from fairprune.reporting.records import VisionReport, VisionRow
+from fairprune.reporting.report import write_json
 from fairprune.storage.atomic import write_text
+from fairprune.storage.checkpoints import read_checkpoint
+from fairprune.storage.digest import file_sha256
 from fairprune.storage.lock import locked
 from fairprune.workflows.options import DataOptions, TrainerOptions
+from fairprune.workflows.paired import compare_statistics, item_outcomes, save_items
+from fairprune.workflows.reference import (
+    check_reference,
+    continued_reference,
+    outgrown,
+    schedule_epochs,
+    small_group_warnings,
+)
 
 #: What the vision commands take as --ckpt, for error messages.
 VISION_CKPT = ("a checkpoint of a vision classifier with class and group names, written by train.py fit "
@@ -61,14 +70,7 @@ def load_trained(ckpt: str | Path, data_overrides: dict[str, Any] | None = None)
         raise UserError(f"checkpoint '{ckpt}' is a directory; pass the checkpoint file inside it{hint}: {VISION_CKPT}")
     if not path.is_file():
         raise UserError(f"checkpoint '{ckpt}' does not exist; train first (python train.py fit ...) and pass its checkpoints/last.ckpt")
-    try:
-        meta = torch.load(path, map_location="cpu", weights_only=False)
-    except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, RuntimeError, ValueError, OSError) as err:
-        reason = " ".join(str(err).split())[:120] or type(err).__name__
-        raise UserError(f"checkpoint '{ckpt}' is not a torch checkpoint ({type(err).__name__}: {reason}); "
-                        f"pass {VISION_CKPT}") from None
-    if not isinstance(meta, dict):
-        raise UserError(f"checkpoint '{ckpt}' holds a {type(meta).__name__}, not a Lightning checkpoint; pass {VISION_CKPT}")
+    meta = read_checkpoint(path, "checkpoint", f"pass {VISION_CKPT}")  # as data: a crafted file runs nothing
     hp, dhp = meta.get("hyper_parameters") or {}, meta.get("datamodule_hyper_parameters")
     if "_class_path" not in hp or not dhp or "_class_path" not in dhp:
         raise UserError(f"checkpoint '{ckpt}' does not record its model and data classes; use one written by train.py")
@@ -78,8 +80,8 @@ def load_trained(ckpt: str | Path, data_overrides: dict[str, Any] | None = None)
         raise UserError(f"checkpoint '{ckpt}' is a {hp['_class_path']} checkpoint, without class and group names; the "
                         f"vision commands (prune.py vision, compare --ckpt) need {VISION_CKPT}. A causal LM is pruned "
                         f"with prune.py magnitude / wanda / sparsegpt --model {folder}")
-    model = resolve_name(hp["_class_path"]).load_from_checkpoint(path, map_location="cpu")
-    data = resolve_name(dhp["_class_path"]).load_from_checkpoint(path, **(data_overrides or {}))
+    model = resolve_name(hp["_class_path"]).load_from_checkpoint(path, map_location="cpu", weights_only=True)
+    data = resolve_name(dhp["_class_path"]).load_from_checkpoint(path, weights_only=True, **(data_overrides or {}))
     return model, data
 
 
@@ -99,9 +101,11 @@ def prune_vision(
     data: DataOptions | None = None,
     resume: str | None = None,
     seed: int = 0,
+    reference: str = "continued",
 ) -> dict[str, Any]:
     """Prune a trained checkpoint with one method, retraining between steps; return its report
-    (test split, with the dense model's figures under ``reference``).
+    (test split, with the figures degradation is measured against under ``reference`` and the
+    dense checkpoint's under ``dense``).
 
     The run folder is ``<output>/<name>`` (default name: the method) and holds ``config.yaml``,
     ``metrics.csv``, ``checkpoints/last.ckpt``, ``report.json``, ``groups.csv``, ``sparsity.csv``
@@ -116,8 +120,10 @@ def prune_vision(
         data: overrides of the checkpoint's data settings (root, batch_size, num_workers, max_samples).
         resume: checkpoint of an interrupted pruning run to resume.
         seed: global seed.
+        reference: what degradation is measured against: continued (the dense model trained on for as many epochs as the pruning schedule retrains, without pruning; cached) or dense (the checkpoint as it is).
     """
-    report, _ = _prune(ckpt, pruning, IterativePruning(**pruning), output, name, trainer, data, resume, seed)
+    check_reference(reference)
+    report, _ = _prune(ckpt, pruning, IterativePruning(**pruning), output, name, trainer, data, resume, seed, reference)
     print(f"[prune] {report.get('method')}: accuracy {report.get('metrics', {}).get('accuracy', float('nan')):.4f}, "
           f"sparsity {report.get('achieved_sparsity', float('nan')):.4f}")
     return report
@@ -125,59 +131,74 @@ def prune_vision(
 
 def _prune(ckpt: str, pruning: dict[str, Any], callback: IterativePruning, output: str, name: str | None,
            trainer: TrainerOptions | None, data: DataOptions | None, resume: str | None = None,
-           seed: int = 0) -> tuple[dict[str, Any], IterativePruning]:
+           seed: int = 0, reference: str = "continued") -> tuple[dict[str, Any], IterativePruning]:
     """The run behind :func:`prune_vision`: its report and the pruning callback (FairGRAPE's shares)."""
     L.seed_everything(seed, workers=True, verbose=False)
     name = name or callback.method
     run = Path(output) / name
     model, datamodule = load_trained(ckpt, data)
+    if resume is not None:
+        _check_resume(resume, callback)  # before anything is written or trained
     run.mkdir(parents=True, exist_ok=True)
     if resume is None and rank_zero_only.rank == 0:
         # A fresh start: an earlier run's result and checkpoint go before the new settings are
         # written, so no process (a DDP rank starting later) can take them for this run's.
-        for stale in (run / "report.json", run / "checkpoints" / "last.ckpt"):
+        for stale in (run / "report.json", run / "README.md", run / "checkpoints" / "last.ckpt"):  # README.md: its model card
             stale.unlink(missing_ok=True)
-    write_text(run / "config.yaml", yaml.safe_dump(_run_config(ckpt, pruning, output, name, trainer, data, seed), sort_keys=False))
+    config = _run_config(ckpt, pruning, output, name, trainer, data, seed, reference)
+    write_text(run / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+    if reference == "continued" and resume is None:  # a resumed run's checkpoint holds its reference
+        figures, facts = continued_reference(lambda: load_trained(ckpt, data), config["ckpt_sha256"],
+                                             schedule_epochs(callback, dict(trainer or {})), seed, dict(trainer or {}),
+                                             dict(data or {}))
+        callback.use_reference(figures, facts)
     settings = {"accelerator": "auto", "devices": 1, "log_every_n_steps": 10, **(trainer or {})}
     settings.setdefault("max_epochs", callback.last_epoch_needed)
     writer = ReportWriter()
     fit = L.Trainer(
         logger=CSVLogger(str(output), name="", version=name),
-        callbacks=[callback, writer, FiniteCheck(), ModelCheckpoint(dirpath=run / "checkpoints", save_last=True)]
+        # _RecordClasses: the checkpoints hold the dense model's settings as plain data (class paths and
+        # arguments), not the objects the model was rebuilt with, so they load with weights_only=True.
+        callbacks=[callback, writer, FiniteCheck(), ModelCheckpoint(dirpath=run / "checkpoints", save_last=True),
+                   _RecordClasses(read_checkpoint(ckpt)), CheckpointOnStop()]
         + ([ProgressBar()] if settings.get("enable_progress_bar", True) else []),
         **settings,
     )
     remember_metrics(fit)  # a resumed run's metrics.csv keeps the rows before the checkpoint
-    fit.fit(model, datamodule=datamodule, ckpt_path=resume, weights_only=False)  # our own run's checkpoint
-    fit.test(model, datamodule=datamodule, verbose=False)
-    return writer.reports.get("test", {}), callback
+    with stops_reported(fit, "--resume"):  # SIGTERM: last.ckpt is written, and the line says how to resume
+        fit.fit(model, datamodule=datamodule, ckpt_path=resume, weights_only=True)
+        fit.test(model, datamodule=datamodule, verbose=False)
+    report = writer.reports.get("test", {})
+    if report:
+        report["ci"] = bootstrap([report], seed=seed)
+        report["warnings"] = outgrown(report) + small_group_warnings(report["ci"], report)
+        if fit.is_global_zero:
+            save_items(run, item_outcomes(model, datamodule.test_dataloader()))
+            write_json(run / writer.filename, report)
+            for warning in report["warnings"]:
+                print(f"[prune] warning: {warning}", flush=True)
+    return report, callback
+
+
+def _check_resume(resume: str, callback: IterativePruning) -> None:
+    """``--resume`` takes only the last checkpoint of this run under the same settings: any other
+    file (a dense model, another method's or schedule's run, a cut or missing file) is one line,
+    raised before the run folder is touched."""
+    hint = ("pass the checkpoints/last.ckpt of the interrupted prune.py vision run with the same --pruning settings, "
+            "or leave --resume out to start afresh")
+    saved = (read_checkpoint(resume, "--resume", hint).get("callbacks") or {}).get(callback.state_key)
+    if not isinstance(saved, dict):
+        raise UserError(f"--resume '{resume}' holds no IterativePruning state, so it is not a checkpoint of a pruning "
+                        f"run (the dense model goes to --ckpt); {hint}")
+    callback.check_state(saved, f"--resume '{resume}'")
 
 
 def _run_config(ckpt: str, pruning: dict[str, Any], output: str, name: str, trainer: TrainerOptions | None,
-                data: DataOptions | None, seed: int) -> dict[str, Any]:
+                data: DataOptions | None, seed: int, reference: str = "continued") -> dict[str, Any]:
     """What a pruning run's ``config.yaml`` holds: everything its result depends on (the checkpoint
     by path and content: a dense model trained again under the same path is another start)."""
-    return {"ckpt": str(ckpt), "ckpt_sha256": _file_sha256(ckpt), "pruning": pruning, "trainer": trainer or {},
-            "data": data or {}, "seed": seed, "output": str(output), "name": name}
-
-
-_DIGESTS: dict[tuple[str, int, int], str] = {}
-
-
-def _file_sha256(path: str | Path) -> str:
-    """SHA-256 of a file's bytes, remembered per (path, size, modification time)."""
-    try:
-        stat = Path(path).stat()
-    except OSError:
-        return ""
-    key = (str(path), stat.st_size, stat.st_mtime_ns)
-    if key not in _DIGESTS:
-        digest = hashlib.sha256()
-        with open(path, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-        _DIGESTS[key] = digest.hexdigest()
-    return _DIGESTS[key]
+    return {"ckpt": str(ckpt), "ckpt_sha256": file_sha256(ckpt), "pruning": pruning, "trainer": trainer or {},
+            "data": data or {}, "seed": seed, "output": str(output), "name": name, "reference": reference}
 
 
 def _same_config(run: Path, config: dict[str, Any]) -> bool:
@@ -201,10 +222,18 @@ def _earlier_cell(run: Path, config: dict[str, Any]) -> tuple[dict[str, Any] | N
         return report, None
     last = run / "checkpoints" / "last.ckpt"
     try:
-        torch.load(last, map_location="cpu", weights_only=False)  # a checkpoint cut by a kill is not resumed
-    except Exception:  # noqa: BLE001 - unreadable for any reason: start the cell again
+        read_checkpoint(last)  # a checkpoint cut by a kill (or not data) is not resumed
+    except UserError:
         return None, None
     return None, str(last)
+
+
+def _epochs_in(last: Path) -> int:
+    """Epochs a run's checkpoint finished; 0 for one cut by a kill (or not data): trained again."""
+    try:
+        return int(read_checkpoint(last).get("epoch", -1)) + 1
+    except UserError:
+        return 0
 
 
 class _RecordClasses(L.Callback):
@@ -225,10 +254,10 @@ def train_dense(ckpt: str | Path, folder: Path, seed: int, trainer: TrainerOptio
     and the same number of epochs as the checkpoint, a new initialisation and data order. The run
     goes to ``folder`` (``checkpoints/last.ckpt``, ``metrics.csv``, ``report.json``); a finished one
     already there is reused. Returns its ``last.ckpt``."""
-    meta = torch.load(ckpt, map_location="cpu", weights_only=False)
+    meta = read_checkpoint(ckpt, "checkpoint", f"pass {VISION_CKPT}")
     epochs = int(meta.get("epoch", 0)) + 1
     last = folder / "checkpoints" / "last.ckpt"
-    if last.is_file() and int(torch.load(last, map_location="cpu", weights_only=False).get("epoch", -1)) + 1 >= epochs:
+    if last.is_file() and _epochs_in(last) >= epochs:
         print(f"[compare] reusing the dense model of seed {seed}: {last}", flush=True)
         return last
     _, datamodule = load_trained(ckpt, data)  # validates the checkpoint, and the data it was trained on
@@ -239,16 +268,33 @@ def train_dense(ckpt: str | Path, folder: Path, seed: int, trainer: TrainerOptio
     model = resolve_name(instantiator)(cls, hp) if instantiator else cls(**{k: v for k, v in hp.items() if k != "_class_path"})
     settings = {"accelerator": "auto", "devices": 1, "log_every_n_steps": 10,
                 **{k: v for k, v in (trainer or {}).items() if k != "max_epochs"}, "max_epochs": epochs}
+    if last.is_file() and rank_zero_only.rank == 0:
+        # A run cut short: trained again from the start, so its checkpoint goes first (ModelCheckpoint
+        # would write last-v1.ckpt beside it, and this function return the cut one).
+        last.unlink()
     print(f"[compare] training the dense model of seed {seed} ({epochs} epochs) into {folder}", flush=True)
     fit = L.Trainer(logger=CSVLogger(str(folder.parent), name="", version=folder.name),
                     callbacks=[_RecordClasses(meta), ReportWriter(), FiniteCheck(),
                                ModelCheckpoint(dirpath=folder / "checkpoints", save_last=True)]
                     + ([ProgressBar()] if settings.get("enable_progress_bar", True) else []), **settings)
-    fit.fit(model, datamodule=datamodule)
+    with stops_reported(fit, None):
+        fit.fit(model, datamodule=datamodule)
     return last
 
 
-@locked(lambda output, **_: output)
+def _compare_folders(output: str, methods: list[str], sparsities: list[float], seed: int = 0,
+                     seeds: list[int] | None = None, dense_per_seed: bool = False, **_: Any) -> list[Path]:
+    """Every folder :func:`compare_vision` writes, its output first: the per-seed dense runs and the
+    cells, named as its loop names them. All are locked before the first cell runs, so a run into
+    one of them (``prune.py vision --name <cell>``) is refused while compare runs, and compare is
+    refused at once by such a run."""
+    seeds = list(seeds) if seeds else [seed]
+    bases = [Path(output) / f"seed{s}" if len(seeds) > 1 else Path(output) for s in seeds]
+    return [Path(output)] + [folder for base in bases for folder in ([base / "dense"] if dense_per_seed else [])
+                             + [base / f"{method}_s{sparsity:g}" for method in methods or [] for sparsity in sparsities or []]]
+
+
+@locked(_compare_folders)
 def compare_vision(
     ckpt: str,
     methods: list[str],
@@ -260,6 +306,8 @@ def compare_vision(
     seed: int = 0,
     seeds: list[int] | None = None,
     dense_per_seed: bool = False,
+    reference: str = "continued",
+    baseline: str | None = None,
 ) -> pd.DataFrame:
     """Run every method at every sparsity from one dense checkpoint and write one table.
 
@@ -281,6 +329,11 @@ def compare_vision(
     """
     if not methods or not sparsities:
         raise UserError("compare needs at least one method and one sparsity")
+    check_reference(reference)
+    baseline = baseline or methods[0]
+    if baseline not in methods:
+        raise UserError(f"--baseline {baseline!r} is not one of the compared methods ({', '.join(methods)}); "
+                        "the paired differences are taken against one of them")
     seeds = list(seeds) if seeds else [seed]
     if len(set(seeds)) != len(seeds):
         raise UserError(f"seeds must differ from each other, got {seeds}")
@@ -300,9 +353,18 @@ def compare_vision(
     runs: dict[str, str] = {}
     shares: dict[str, list[pd.DataFrame]] = {}
     cells, start, recalibration = len(seeds) * len(methods) * len(sparsities), time.perf_counter(), None
+    firsts: list[VisionReport] = []  # per seed, the first cell's report: it holds the dense figures
+    folders: dict[str, list[Path]] = {}  # per cell, its run folder per seed
     for s in seeds:
         base = output / f"seed{s}" if repeated else output
-        source = train_dense(ckpt, base / "dense", s, trainer, data) if dense_per_seed else ckpt
+        try:
+            source = train_dense(ckpt, base / "dense", s, trainer, data) if dense_per_seed else ckpt
+        except BaseException as err:
+            stop = stop_in(err, f"the dense model of seed {s}", f"run the same command again (the dense model of "
+                           f"seed {s} trains again from the start, finished ones are reused)")
+            if stop is None:
+                raise
+            raise stop from None
         dense_seen = False
         for method in methods:
             for sparsity in sparsities:
@@ -310,7 +372,8 @@ def compare_vision(
                 settings, callback = plan[s, method, sparsity]
                 done = sum(len(r) for r in reports.values())
                 label = f"[compare] {name}{f' seed {s}' if repeated else ''} ({done + 1}/{cells})"
-                report, resume = _earlier_cell(base / name, _run_config(str(source), settings, str(base), name, trainer, data, s))
+                report, resume = _earlier_cell(base / name, _run_config(str(source), settings, str(base), name, trainer, data, s,
+                                                                         reference))
                 if report is not None:
                     print(f"{label}: finished earlier with the same settings, reusing {base / name}", flush=True)
                     recalibration = callback.bn_recalibration
@@ -318,28 +381,53 @@ def compare_vision(
                     share_rows = pd.read_csv(shares_file) if shares_file.is_file() else pd.DataFrame()
                 else:
                     print(f"{label}{f': resuming from {resume}' if resume else ''} ...", flush=True)
-                    report, _ = _prune(str(source), settings, callback, str(base), name, trainer, data, resume=resume, seed=s)
+                    try:
+                        report, _ = _prune(str(source), settings, callback, str(base), name, trainer, data, resume=resume,
+                                           seed=s, reference=reference)
+                    except BaseException as err:
+                        # Run again, compare reuses the finished cells and resumes this one from its last.ckpt.
+                        kept = "resumes from its last checkpoint" if (base / name / "checkpoints" / "last.ckpt").is_file() \
+                            else "starts again"
+                        stop = stop_in(err, f"cell {name}{f' seed {s}' if repeated else ''}", "run the same command "
+                                       f"again to resume (finished cells are reused, this one {kept})")
+                        if stop is None:
+                            raise
+                        raise stop from None
                     recalibration = callback.bn_recalibration
                     share_rows = pd.DataFrame(callback.share_rows())
                 reports.setdefault(name, []).append(report)
+                folders.setdefault(name, []).append(base / name)
                 runs[f"seed{s}/{name}" if repeated else name] = str(base / name)
                 if len(share_rows):
                     shares.setdefault(name, []).append(share_rows.assign(seed=s))
                 if not dense_seen and "reference" in report:
                     dense_seen = True
+                    firsts.append(report)
                     rows.append(VisionRow.dense(report, seed=s if repeated else None))
+                    continued = VisionRow.continued(report, seed=s if repeated else None)
+                    if continued is not None:
+                        rows.append(continued)
                 rows.append(VisionRow.from_report(report, method, sparsity, seed=s if repeated else None))
     table = pd.DataFrame([row.as_dict() for row in rows])
     if not distributed.is_main():  # under DDP every rank ran the cells; rank 0 writes the comparison
         return table
     figures = [(plot_error_rate_changes({n: (r if repeated else r[0]) for n, r in reports.items()},
                                         output / "error_rate_changes.png"),
-                "Change of each group's FPR and FNR against the dense model" + (" (mean ± sd over seeds)" if repeated else ""))]
+                f"Change of each group's FPR and FNR against the {'continued reference' if reference == 'continued' else 'dense model'}" + (" (mean ± sd over seeds)" if repeated else ""))]
     if shares:
         last = list(shares)[-1]
         figures.append((plot_group_shares(pd.concat(shares[last], ignore_index=True), output / "group_shares.png"),
                         f"FairGRAPE ({last}): kept share of each group's importance per layer, last step"))
+    warnings = sorted({w for cell in reports.values() for r in cell for w in r.get("warnings", [])})
+    for warning in warnings:
+        print(f"[compare] warning: {warning}", flush=True)
+    dense_rows = [(row.method, key) for row, key in ((VisionRow.dense(firsts[0]), "dense"),
+                                                     (VisionRow.continued(firsts[0]), "reference")) if row] if firsts else []
+    intervals, paired = compare_statistics(reports, {n: [Path(p) for p in folders[n]] for n in folders}, firsts, methods,
+                                           sparsities, baseline, dense_rows, seed)
     extra = {"runs": runs, "seeds": seeds, "dense_per_seed": dense_per_seed, "bn_recalibration": recalibration,
-             "seconds": {"total": time.perf_counter() - start}}
+             "reference": reference, "warnings": warnings, "seconds": {"total": time.perf_counter() - start},
+             "data": next((r["data"] for cell in reports.values() for r in cell if r.get("data")), {})}  # kept / left out
     return write_comparison(rows, output, extra, keys=["method", "target_sparsity"], figures=figures,
-                            title=f"Vision pruning comparison ({', '.join(methods)})")
+                            title=f"Vision pruning comparison ({', '.join(methods)})", intervals=intervals,
+                            paired=paired, baseline=baseline)

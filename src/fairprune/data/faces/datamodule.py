@@ -133,6 +133,9 @@ class FaceDataModule(L.LightningDataModule):
         if num_workers < 0:
             raise UserError(f"--data.num_workers must be 0 or more, got {num_workers}")
         if dataset == "synthetic":
+            if root is not None and Path(root).exists() and not Path(root).is_dir():
+                raise UserError(f"--data.root '{root}' is a file, not a folder; pass a folder for the synthetic faces "
+                                "(made when missing) or leave --data.root out to use the project cache")
             self.root = Path(root) if root is not None else cache_dir() / f"synthetic_utkface_{synthetic_size}_{seed}"
         else:
             self.root = check_root(dataset, root)  # fail before training, not at setup()

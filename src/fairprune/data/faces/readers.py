@@ -370,6 +370,9 @@ def celeba_base(root: Path) -> Path:
 
 def _existing_root(root: str | Path | None, dataset: str) -> Path:
     """Return ``root`` as a Path, or raise a UserError that says what the folder should hold."""
+    if root is not None and Path(root).exists() and not Path(root).is_dir():
+        raise UserError(f"dataset root '{root}' is a file, not a folder; pass --data.root pointing to the folder that "
+                        f"holds {ROOT_CONTENTS[dataset]}")
     if root is None or not Path(root).is_dir():
         shown = "" if root is None else f" '{root}'"
         raise UserError(f"dataset root{shown} does not exist; pass --data.root pointing to the "

@@ -174,7 +174,9 @@ def perplexities(model: nn.Module, ids: torch.Tensor, seqlen: int, batch_size: i
         reuse["states"] = PrefixStates(model, windows, rows_per_pass)
     states = reuse["states"]
     batches = [(s, min(s + batch_size, len(windows))) for s in range(0, len(windows), batch_size)]
-    sums = torch.zeros(configs.shape[0], dtype=torch.float64, device=windows.device)
+    # Per configuration and window, as metrics.language.perplexity sums them: each window's NLL in
+    # float64, the windows added in order with math.fsum, so both paths give the same figure.
+    sums = torch.zeros(configs.shape[0], len(windows), dtype=torch.float64, device=windows.device)
     gates = HeadGates(model)
     starts = [min(s, layers - 1) for s in start_layers(configs)]
     with gates:
@@ -191,10 +193,10 @@ def perplexities(model: nn.Module, ids: torch.Tensor, seqlen: int, batch_size: i
                     logits = head(hidden[offset : offset + b - a]).float()
                     offset += b - a
                     batch = windows[a:b]
-                    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="sum")
-                    sums[c] += loss.double()
-    count = float(windows[:, 1:].numel())
-    return [math.exp(nll / count) for nll in sums.tolist()]
+                    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
+                    sums[c, a:b] = loss.view(b - a, -1).double().sum(1)
+    count = math.fsum([float(windows.shape[1] - 1)] * len(windows))
+    return [math.exp(math.fsum(nll) / count) for nll in sums.tolist()]
 
 
 def _chunks(units: Sequence[tuple[int, tuple[int, int]]], rows: int) -> Iterator[list]:

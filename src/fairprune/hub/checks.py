@@ -1,0 +1,78 @@
+"""Checks of a loaded model, shared by every layer above: are its weights finite, and how many bytes
+does saving it take.
+
+The finiteness check is the one the vision guards use during training
+(:mod:`fairprune.callbacks.guards`) and the one the LM commands use on the model they load and on the
+model they are about to save: a NaN or inf weight is never pruned, measured or kept as a result.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from fairprune.errors import UserError
+
+
+def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    found = [(n, p.detach()) for n, p in module.named_parameters()]
+    for prefix, sub in module.named_modules():  # normalisation statistics (not metric states: NaN is a value there)
+        if isinstance(sub, nn.modules.batchnorm._NormBase):
+            found += [(f"{prefix}.{n}", b) for n, b in sub.named_buffers(recurse=False) if b.is_floating_point()]
+    return [(n, t) for n, t in found if t.numel() and t.device.type != "meta"]
+
+
+def nonfinite(module: nn.Module) -> tuple[str, str] | None:
+    """``(name, "NaN" or "inf")`` of the first parameter or normalisation statistic of ``module``
+    that is not finite, or None.
+
+    One fused norm over all tensors (one device sync); the per-tensor scan runs only on failure.
+    """
+    tensors = _tensors(module)
+    if not tensors:
+        return None
+    total = torch.nn.utils.get_total_norm([t for _, t in tensors], norm_type=2.0)
+    if bool(torch.isfinite(total)):
+        return None
+    for name, t in tensors:
+        if not bool(torch.isfinite(t).all()):
+            return name, "NaN" if bool(torch.isnan(t).any()) else "inf"
+    return None  # finite tensors whose norm overflowed: large, not broken
+
+
+def nonfinite_tensor(module: nn.Module) -> str | None:
+    """The name of the first parameter or normalisation statistic of ``module`` holding NaN or inf, or None."""
+    found = nonfinite(module)
+    return None if found is None else found[0]
+
+
+def check_input_model(model: nn.Module, source: str) -> None:
+    """Refuse a loaded model whose weights are not finite, before any work is done with it."""
+    found = nonfinite(model)
+    if found is not None:
+        raise UserError(f"the input model '{source}' is broken: parameter {found[0]} holds {found[1]}; nothing was "
+                        "pruned, measured or written (give a model whose weights are finite, e.g. re-export it from a "
+                        "run that did not diverge)")
+
+
+def saved_bytes(model: nn.Module, tokenizer: Any = None) -> int:
+    """About how many bytes ``save_pretrained`` of ``model`` and ``tokenizer`` writes: the tensors
+    (shared ones once) and the tokenizer files (estimated from the vocabulary size)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for tensor in model.state_dict().values():
+        if tensor.device.type == "meta":
+            continue
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            total += tensor.numel() * tensor.element_size()
+    if tokenizer is not None:
+        try:
+            entries = len(tokenizer)
+        except TypeError:
+            entries = 0
+        total += 128 * entries + 64 * 1024  # vocabulary, merges and the small json files, generously
+    return total
