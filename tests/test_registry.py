@@ -201,3 +201,14 @@ def test_toy_lm_method_plugin_runs_from_the_command_line(tmp_path):
     done = subprocess.run([sys.executable, str(ROOT / "prune.py"), "toy-columns", *args, "--output", str(tmp_path / "x")],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 2 and "unknown subcommand 'toy-columns'" in done.stderr.strip().splitlines()[-1]
+
+
+def test_prune_help_lists_every_subcommand_without_loading_torch():
+    """``prune.py --help`` reads the table as it is (a registered method included), no torch."""
+    code = ("import sys; from fairprune.cli.prune import main; status = main(['--help']); "
+            "print('torch' in sys.modules, status)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "False 0"
+    for name in (*registry.names("lm"), "vision", "fasp", "compare", "evaluate"):
+        assert name in done.stdout

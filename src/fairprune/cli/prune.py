@@ -217,9 +217,9 @@ def top_level_parser():
 
     parser = ArgumentParser(prog="prune.py", description="Prune trained models and measure what it costs each group. "
                             "'prune.py <subcommand> --help' lists a subcommand's options.")
-    commands = parser.add_subcommands(dest="command")
+    subcommands = parser.add_subcommands(dest="command")
     for name, command in commands().items():
-        commands.add_subcommand(name, ArgumentParser(description=command.summary), help=command.summary)
+        subcommands.add_subcommand(name, ArgumentParser(description=command.summary), help=command.summary)
     return parser
 
 
