@@ -74,6 +74,17 @@ def _mean_sd(mean: Any, sd: Any) -> str:
 INTERVALS = ("accuracy", "acc_gap", "degradation_std")
 
 
+def _row_results(table: pd.DataFrame, results: Sequence[tuple[dict[str, Any], dict[str, Any]]], figure: str) -> list:
+    """Per table row, the result (of ``(key columns and values, result)`` pairs) whose key columns
+    match the row and which has ``figure``; None where none does."""
+    found: list[Any] = [None] * len(table)
+    for i in range(len(table)):
+        for key, result in results:
+            if all(k in table.columns and table.iloc[i][k] == v for k, v in key.items()) and figure in result:
+                found[i] = result[figure]
+    return found
+
+
 def add_intervals(table: pd.DataFrame, shown: pd.DataFrame, intervals: Sequence[tuple[dict[str, Any], dict[str, Any]]],
                   level: float = 0.95) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Each row's intervals (``(key columns and values, bootstrap result)`` pairs, matched on the
@@ -81,11 +92,9 @@ def add_intervals(table: pd.DataFrame, shown: pd.DataFrame, intervals: Sequence[
     ``<figure> 95% CI`` column in the shown one."""
     table, shown = table.copy(), shown.copy()
     for figure in INTERVALS:
-        lows, highs = [float("nan")] * len(table), [float("nan")] * len(table)
-        for i in range(len(table)):
-            for key, ci in intervals:
-                if all(k in table.columns and table.iloc[i][k] == v for k, v in key.items()) and figure in ci:
-                    lows[i], highs[i] = ci[figure]
+        found = _row_results(table, intervals, figure)
+        lows = [float("nan") if f is None else f[0] for f in found]
+        highs = [float("nan") if f is None else f[1] for f in found]
         if all(math.isnan(v) for v in lows):
             continue
         table[f"{figure}_ci_low"], table[f"{figure}_ci_high"] = lows, highs
@@ -101,12 +110,8 @@ def add_paired(table: pd.DataFrame, shown: pd.DataFrame, paired: Sequence[tuple[
     ``+0.051 [0.020, 0.083] *`` (``*``: the interval excludes 0)."""
     table, shown = table.copy(), shown.copy()
     for figure in INTERVALS:
-        values = [[float("nan")] * 3 + [False] for _ in range(len(table))]
-        for i in range(len(table)):
-            for key, result in paired:
-                if all(k in table.columns and table.iloc[i][k] == v for k, v in key.items()) and figure in result:
-                    r = result[figure]
-                    values[i] = [r["difference"], *r["ci"], r["excludes_zero"]]
+        values = [[float("nan")] * 3 + [False] if r is None else [r["difference"], *r["ci"], r["excludes_zero"]]
+                  for r in _row_results(table, paired, figure)]
         if all(math.isnan(v[0]) for v in values):
             continue
         for j, suffix in enumerate(("diff", "diff_ci_low", "diff_ci_high")):

@@ -93,10 +93,15 @@ def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = 
     return report
 
 
+def _cell(method: str, alpha: float) -> str:
+    """The folder of one head-pruning compare run: ``fasp_a0.1``."""
+    return f"{method}_a{alpha:g}"
+
+
 def _compare_folders(output: str, methods: list[str], alphas: list[float], **_: Any) -> list[Path]:
     """Every folder :func:`compare_heads` writes, its output first, named as its loop names them:
     all are locked before the model loads, so a run into one of them is refused while compare runs."""
-    return [Path(output)] + [Path(output) / f"{method}_a{alpha:g}" for method in methods for alpha in alphas]
+    return [Path(output)] + [Path(output) / _cell(method, alpha) for method in methods for alpha in alphas]
 
 
 @torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
@@ -117,7 +122,7 @@ def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output
     start = time.perf_counter()
     for method in methods:
         for alpha in alphas:
-            run = out / f"{method}_a{alpha:g}"
+            run = out / _cell(method, alpha)
             if distributed.is_main():
                 run.mkdir(parents=True, exist_ok=True)
                 if shared is not None and not (run / "head_scores.csv").exists():

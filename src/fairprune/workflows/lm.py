@@ -165,11 +165,16 @@ def evaluate_lm(lm: LMOptions, output: str | None = None, machine: MachineOption
     return report
 
 
+def _cell(method: str, sparsity: Sparsity) -> str:
+    """The folder of one LM compare run: ``sparsegpt_0.5``, ``wanda_2of4``."""
+    return f"{method}_{sparsity.label}"
+
+
 def _compare_folders(output: str, methods: list[str], sparsities: list[str | float | Sparsity], **_: Any) -> list[Path]:
     """Every folder :func:`compare_lm` writes, its output first, named as its loop names them: all
     are locked before the model loads, so a run into one of them is refused while compare runs."""
     parsed = [Sparsity.parse(s) for s in sparsities]
-    return [Path(output)] + [Path(output) / f"{method}_{s.label}" for method in methods for s in parsed]
+    return [Path(output)] + [Path(output) / _cell(method, s) for method in methods for s in parsed]
 
 
 @_torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
@@ -194,7 +199,7 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     rows = [LMRow.dense(dense.metrics, dense_zeros, dense.seconds)]
     for method in methods:
         for s in sparsities:
-            name = f"{method}_{s.label}"
+            name = _cell(method, s)
             if distributed.is_main() and machine.progress:
                 print(f"[compare] {name} ...", flush=True)
             tick = time.perf_counter()

@@ -24,6 +24,11 @@ from fairprune.metrics.group.bootstrap import bootstrap, paired_difference
 ITEMS = "test_items.npz"
 
 
+def cell_name(method: str, sparsity: float) -> str:
+    """The folder (and table key) of one vision compare cell."""
+    return f"{method}_s{sparsity:g}"
+
+
 @torch.no_grad()
 def item_outcomes(pl_module: L.LightningModule, loader: DataLoader) -> dict[str, np.ndarray]:
     """Per test item, in order: correct (bool) and group (int); the whole split in this process."""
@@ -82,8 +87,8 @@ def compare_statistics(reports: dict[str, list[dict[str, Any]]], folders: dict[s
     the same sparsity, as :func:`fairprune.reporting.compare.write_comparison` takes them.
     ``dense_rows``: (row label, report key) of the dense rows; ``firsts``: per seed, a report
     holding the dense figures."""
-    intervals = [({"method": m, "target_sparsity": s}, bootstrap(reports[f"{m}_s{s:g}"], seed=seed))
-                 for m in methods for s in sparsities if f"{m}_s{s:g}" in reports]
+    intervals = [({"method": m, "target_sparsity": s}, bootstrap(reports[cell_name(m, s)], seed=seed))
+                 for m in methods for s in sparsities if cell_name(m, s) in reports]
     for label, key in dense_rows:  # the dense rows' intervals, over the seeds' dense models
         figures = [r.get(key) or r["reference"] for r in firsts]
         intervals.append(({"method": label, "target_sparsity": 0.0}, bootstrap(figures, seed=seed)))
@@ -91,7 +96,7 @@ def compare_statistics(reports: dict[str, list[dict[str, Any]]], folders: dict[s
     if firsts:
         names = list(firsts[0].get("groups") or {})
         for s in sparsities:
-            cells = {m: folders[f"{m}_s{s:g}"] for m in methods if f"{m}_s{s:g}" in folders}
+            cells = {m: folders[cell_name(m, s)] for m in methods if cell_name(m, s) in folders}
             for method, result in paired_rows(cells, baseline, names, firsts[0].get("reference"), seed).items():
                 paired.append(({"method": method, "target_sparsity": s}, result))
     return intervals, paired

@@ -100,8 +100,8 @@ def outgrown(report: dict[str, Any], z: float = 1.96) -> list[str]:
         if accuracy - base > noise:
             if key == "dense" and report.get("reference", {}).get("method") == "dense":
                 warnings.append(f"the pruned model beats the dense model by {accuracy - base:.3f} accuracy (noise ±{noise:.3f} "
-                                "over {n} test items): the dense model was not trained to convergence, and degradation "
-                                "figures measure training, not pruning; use --reference continued".replace("{n}", str(n)))
+                                f"over {n} test items): the dense model was not trained to convergence, and degradation "
+                                "figures measure training, not pruning; use --reference continued")
             elif key == "dense":
                 warnings.append(f"the pruned model beats the dense checkpoint by {accuracy - base:.3f} accuracy (noise "
                                 f"±{noise:.3f} over {n} test items): the dense model was not trained to convergence; "

@@ -40,7 +40,7 @@ from fairprune.storage.checkpoints import read_checkpoint
 from fairprune.storage.digest import file_sha256
 from fairprune.storage.lock import locked
 from fairprune.workflows.options import DataOptions, TrainerOptions
-from fairprune.workflows.paired import compare_statistics, item_outcomes, save_items
+from fairprune.workflows.paired import cell_name, compare_statistics, item_outcomes, save_items
 from fairprune.workflows.reference import (
     check_reference,
     continued_reference,
@@ -291,7 +291,7 @@ def _compare_folders(output: str, methods: list[str], sparsities: list[float], s
     seeds = list(seeds) if seeds else [seed]
     bases = [Path(output) / f"seed{s}" if len(seeds) > 1 else Path(output) for s in seeds]
     return [Path(output)] + [folder for base in bases for folder in ([base / "dense"] if dense_per_seed else [])
-                             + [base / f"{method}_s{sparsity:g}" for method in methods or [] for sparsity in sparsities or []]]
+                             + [base / cell_name(method, sparsity) for method in methods or [] for sparsity in sparsities or []]]
 
 
 @locked(_compare_folders)
@@ -368,7 +368,7 @@ def compare_vision(
         dense_seen = False
         for method in methods:
             for sparsity in sparsities:
-                name = f"{method}_s{sparsity:g}"
+                name = cell_name(method, sparsity)
                 settings, callback = plan[s, method, sparsity]
                 done = sum(len(r) for r in reports.values())
                 label = f"[compare] {name}{f' seed {s}' if repeated else ''} ({done + 1}/{cells})"
