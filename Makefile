@@ -56,6 +56,7 @@ bench: $(STAMP)
 	$(PY) bench/sparsegpt.py
 	$(PY) bench/fasp_scoring.py
 	$(PY) bench/diff_pruning.py
+	$(PY) bench/deploy.py
 
 clean:
 	rm -rf runs .cache

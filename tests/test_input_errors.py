@@ -233,7 +233,7 @@ def tiny_lm(monkeypatch):
 
     monkeypatch.setattr(lm, "load_model", model)
     monkeypatch.setattr(lm, "load_tokenizer", lambda *a, **k: object())
-    monkeypatch.setattr(llm, "measure_lm", explode("measuring the dense model"))
+    monkeypatch.setattr(llm, "measure_lm_items", explode("measuring the dense model"))
 
 
 @pytest.mark.parametrize("command", [

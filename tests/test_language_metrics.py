@@ -9,12 +9,13 @@ import json
 import math
 import pickle
 
+import numpy as np
 import pytest
 import torch
 import transformers as tf
 from torch import nn
 
-from fairprune.data.pairs import read_crows_pairs, read_pairs, read_stereoset
+from fairprune.data.pairs import Pair, read_crows_pairs, read_pairs, read_stereoset
 from fairprune.data.text import (
     calibration_ids,
     encode_sentence,
@@ -309,3 +310,25 @@ def test_paired_ids_align_and_mask(tokenizer):
     assert short0.shape == (4, 6) and short_mask.all()
     with pytest.raises(UserError):
         paired_ids(tokenizer, [], seqlen=8)
+
+
+def test_items_reproduce_the_figures_and_round_trip(model, tokenizer, tmp_path):
+    """The per-window and per-pair outcomes give back the figures exactly, and save / load as
+    plain arrays (a file that would need pickle is refused)."""
+    from fairprune.metrics.language import LMItems, measure_lm_items
+
+    pairs = [Pair(a, b, "antistereo" if i % 3 == 0 else "stereo") for i, (a, b) in enumerate(stereo_pairs()[:12])]
+    ids = torch.arange(5 * 16) % len(tokenizer)
+    metrics, items = measure_lm_items(model, tokenizer, ids, pairs, seqlen=16, device="cpu")
+    assert metrics == measure_lm(model, tokenizer, ids, pairs, seqlen=16, device="cpu")
+    figures = items.figures()
+    assert figures["perplexity"] == pytest.approx(metrics["perplexity"], rel=1e-12)
+    assert {k: v for k, v in figures.items() if k != "perplexity"} == {k: v for k, v in metrics.items() if k != "perplexity"}
+    assert len(items.window_nll) == 5 and list(items.window_tokens) == [15.0] * 5
+    assert len(items.pair_win) == 12 and items.pair_anti.sum() == 4
+    items.save(tmp_path)
+    back = LMItems.load(tmp_path)
+    assert back is not None and all(np.array_equal(getattr(back, k), getattr(items, k)) for k in items.as_json())
+    np.savez(tmp_path / LMItems.FILE, window_nll=np.array([object()], dtype=object))  # would need pickle
+    assert LMItems.load(tmp_path) is None
+    assert LMItems.from_json({"window_nll": [1.0]}) is None

@@ -108,6 +108,23 @@ def test_compare_and_evaluate(trained, tmp_path, small_eval):
     table = pd.read_csv(tmp_path / "comparison.csv")
     assert list(table["method"]) == ["dense", "magnitude", "magnitude", "sparsegpt", "sparsegpt"]
     assert {"perplexity", "stereotype_score", "achieved_sparsity", "seconds"} <= set(table.columns)
+    # Every row has its intervals; each sparsegpt run is compared with magnitude (the first method)
+    # at its sparsity, on the same windows and pairs.
+    assert (table["perplexity_ci_low"] < table["perplexity"]).all() and (table["perplexity"] < table["perplexity_ci_high"]).all()
+    assert table["stereotype_score_ci_low"].notna().all()
+    ratio = table["perplexity_ratio_diff"]
+    assert ratio[table["method"] == "sparsegpt"].notna().all() and ratio[table["method"] != "sparsegpt"].isna().all()
+    expected = table["perplexity"].iloc[3:].to_numpy() / table["perplexity"].iloc[1:3].to_numpy()
+    assert ratio.iloc[3:].to_numpy() == pytest.approx(expected, rel=1e-9)
+    shown = (tmp_path / "comparison.md").read_text()
+    assert "perplexity 95% CI" in shown and "perplexity vs magnitude" in shown and "Δ stereotype_score vs magnitude" in shown
+    run = json.loads((tmp_path / "sparsegpt_0.5" / "report.json").read_text())
+    assert run["ci"]["perplexity"][0] < run["metrics"]["perplexity"] < run["ci"]["perplexity"][1]
+    assert run["reference"]["ci"]["windows"] == run["ci"]["windows"] > 0
+    assert run["paired"]["baseline"] == "dense" and run["paired"]["perplexity_ratio"]["ratio"] == pytest.approx(
+        run["metrics"]["perplexity"] / run["reference"]["metrics"]["perplexity"], rel=1e-9)
+    assert (tmp_path / "sparsegpt_0.5" / "eval_items.npz").is_file()
+    assert "95 % CI" in (tmp_path / "sparsegpt_0.5" / "README.md").read_text()
     assert prune_main(["evaluate", "--model", str(tmp_path / "sparsegpt_2of4"), "--output", str(tmp_path / "eval"),
                        "--seqlen", "32", "--device", "cpu", *small_eval]) == 0
     report = json.loads((tmp_path / "eval" / "report.json").read_text())
@@ -168,10 +185,16 @@ def test_fasp_command_and_head_compare(trained, tmp_path, small_eval):
     fasp_run = json.loads((table_out / "fasp_a0.25" / "report.json").read_text())
     for row, record in ((table.iloc[0], HeadRow.dense(fasp_run)), (table.iloc[1], HeadRow.from_report(fasp_run, "fasp", 0.25, protects=True))):
         expected = record.as_dict()
-        assert list(table.columns) == list(expected)
+        assert list(table.columns[: len(expected)]) == list(expected)
         assert row["method"] == expected["method"]
         figures = [float("nan") if v is None else v for v in list(expected.values())[1:]]
-        assert row[1:].tolist() == pytest.approx(figures, nan_ok=True)
+        assert row[1 : len(expected)].tolist() == pytest.approx(figures, nan_ok=True)
+    # Then the perplexity interval over windows (every row) and each run's ratio to the dense model.
+    assert list(table.columns[len(expected):]) == ["perplexity_ci_low", "perplexity_ci_high", "perplexity_ratio_diff",
+                                                   "perplexity_ratio_diff_ci_low", "perplexity_ratio_diff_ci_high"]
+    assert (table["perplexity_ci_low"] <= table["perplexity"]).all() and (table["perplexity"] <= table["perplexity_ci_high"]).all()
+    assert fasp_run["paired"]["perplexity_ratio"]["ratio"] == pytest.approx(table["perplexity"][1] / table["perplexity"][0])
+    assert table["perplexity_ratio_diff"][0] != table["perplexity_ratio_diff"][0]  # the dense row: no ratio (NaN)
 
 
 def test_fasp_bad_ratio_is_one_line(trained, tmp_path, capsys):

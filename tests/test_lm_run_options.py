@@ -150,8 +150,8 @@ def test_compare_measures_the_dense_model_once(lm, tmp_path, monkeypatch):
             return measure(*args, **kwargs)
         return measure_and_count
 
-    monkeypatch.setattr(dense, "measure_lm", counting("dense", dense.measure_lm))
-    monkeypatch.setattr(llm, "measure_lm", counting("pruned", llm.measure_lm))
+    monkeypatch.setattr(dense, "measure_lm_items", counting("dense", dense.measure_lm_items))
+    monkeypatch.setattr(llm, "measure_lm_items", counting("pruned", llm.measure_lm_items))
     assert prune_main(["compare", "--model", lm["model"], "--methods", "[magnitude, wanda]", "--sparsities", '["0.5", "2:4"]',
                        "--output", str(tmp_path / "cmp"), "--eval_tokens", "512", "--dense_cache", "false",
                        *FAST, *texts(lm)]) == 0

@@ -138,8 +138,9 @@ def test_evaluate_under_torchrun_matches_one_process(runs):
     """``evaluate`` of the dense model on two ranks gives what one process measured for it (B's
     reference); both ranks took it from the cache A's rank 0 wrote (a rank that disagreed would
     hang the other, or measure alone)."""
-    assert files(runs["E"].parent) == ["E/report.json"]
+    assert files(runs["E"].parent) == ["E/eval_items.npz", "E/report.json"]
     evaluated = report(runs["E"])
+    assert evaluated["ci"]["perplexity"][0] < evaluated["metrics"]["perplexity"] < evaluated["ci"]["perplexity"][1]
     assert evaluated["from_cache"] is True and report(runs["A"])["reference"]["from_cache"] is False
     assert evaluated["metrics"] == report(runs["A"])["reference"]["metrics"]
     got, want = evaluated["metrics"], report(runs["B"])["reference"]["metrics"]
@@ -246,13 +247,14 @@ def test_each_rank_works_on_its_shard(monkeypatch, one_thread):
     monkeypatch.setattr(distributed, "broadcast", lambda tensor, src=0: tensor)
 
     assert language.perplexity(model, ids, seqlen=8) == pytest.approx(share, rel=1e-6)
-    # Rank 1's pairs: 1 (antistereo, sent_more likelier: a win) and 3 (a tie: neutral); its sums, as the
-    # reductions are left out. Pairs one to a batch (batch_size 2) are dealt out 0, 2 / 1, 3.
+    # Rank 1's pairs: 1 (antistereo, sent_more likelier: a win) and 3 (a tie: neutral), each in its own
+    # slot; the slots of rank 0's pairs (0 and 2) stay empty, as the reductions are left out. Pairs one
+    # to a batch (batch_size 2) are dealt out 0, 2 / 1, 3.
     likelihood = {"a1": -1.0, "b1": -2.0, "a3": -3.0, "b3": -3.0}
     four = [Pair("a0", "b0"), Pair("a1", "b1", "antistereo"), ("a2", "b2"), Pair("a3", "b3")]
-    assert language.stereotype_scores(model, None, four, batch_size=2) == {
-        "stereotype_score": 0.5, "stereotype_score_stereo": pytest.approx(float("nan"), nan_ok=True),
-        "stereotype_score_antistereo": 1.0, "stereotype_pairs_neutral": 1}  # no decided stereo pair: NaN
+    outcomes = language.pair_outcomes(model, None, four, batch_size=2)
+    assert {k: v.tolist() for k, v in outcomes.items()} == {
+        "win": [False, True, False, False], "decided": [False, True, False, False], "anti": [False, True, False, False]}
     assert scored == ["a1", "b1", "a3", "b3"]
     llm.prune_causal_lm(model, "debias-sparsegpt", Sparsity.parse(0.5), calib_ids=calib, pairs=pairs, progress=False,
                         batch_size=2)

@@ -24,6 +24,7 @@ from fairprune import distributed
 from fairprune.callbacks.report import run_dir
 from fairprune.data.pairs import LMTexts, read_pairs, split_pairs
 from fairprune.data.text import stereo_pairs
+from fairprune.errors import UserError
 from fairprune.hub import resolve_device
 from fairprune.hub.checks import check_input_model, saved_bytes
 from fairprune.pruning import registry
@@ -44,14 +45,22 @@ class PostTrainingPruning(L.Callback):
         calibration: calibration and measuring settings (as prune.py's LM commands).
         solver: SparseGPT's settings.
         heads: head pruning settings (as prune.py fasp).
+        save_format: weight methods: dense (save_pretrained) or compressed (compressed-tensors' sparse layouts).
     """
 
     def __init__(self, method: str = "sparsegpt", sparsity: str = "0.5",
                  calibration: CalibrationOptions = CalibrationOptions(), solver: SolverOptions = SolverOptions(),
-                 heads: HeadOptions = HeadOptions()) -> None:
+                 heads: HeadOptions = HeadOptions(), save_format: str = "dense") -> None:
+        from fairprune.hub.compressed import check_can_compress
+
         self.entry = registry.get(method, ("lm", "heads"), what="post-training")
         # Fail before training, not after it.
         self.sparsity = Sparsity.parse(sparsity) if self.entry.kind == "lm" else None
+        check_can_compress(save_format)
+        if save_format != "dense" and self.entry.kind != "lm":
+            raise UserError(f"save_format {save_format} applies to weight pruning; {method} removes heads and writes "
+                            "a dense folder")
+        self.save_format = save_format
         self.method, self.calibration, self.solver, self.heads = method, calibration, solver, heads
         self.report: dict[str, Any] | None = None
 
@@ -73,6 +82,7 @@ class PostTrainingPruning(L.Callback):
         from dataclasses import asdict
 
         return {"method": self.method, "sparsity": None if self.sparsity is None else str(self.sparsity),
+                "save_format": self.save_format,
                 "calibration": asdict(self.calibration), "solver": asdict(self.solver), "heads": asdict(self.heads)}
 
     @staticmethod
@@ -91,13 +101,14 @@ class PostTrainingPruning(L.Callback):
         out = run_dir(trainer) / f"pruned-{self.method}"
         model = self._checked_copy(trainer, pl_module, out)
         texts = LMTexts(train_text, val_text, calib_pairs, eval_pairs)
-        report, layers = prune_and_measure(
+        report, layers, items = prune_and_measure(
             model, pl_module.tokenizer, self.method, self.sparsity, texts, nsamples=c.nsamples, seqlen=c.seqlen,
             eval_seqlen=c.window, device=resolve_device(c.device), percdamp=self.solver.percdamp,
             blocksize=self.solver.blocksize, seed=c.seed, eval_tokens=c.eval_tokens,
             progress=trainer.progress_bar_callback is not None)
         self.report = {"method": self.method, "model": str(run_dir(trainer) / "model"), **report}
-        write_lm_run(out, model, pl_module.tokenizer, self.report, self._config(), layers)
+        write_lm_run(out, model, pl_module.tokenizer, self.report, self._config(), layers, items,
+                     save_format=self.save_format, nm=self.sparsity.nm)
         print(f"[{self.method}] perplexity {report['reference']['metrics']['perplexity']:.2f} → "
               f"{report['metrics']['perplexity']:.2f}; written to {out}", flush=True)
 

@@ -35,6 +35,10 @@ checkpoint, the next step's scores and the final test all read statistics of the
 share and the statistics are summed, so every replica holds the same ones). Right after a step,
 before retraining, nothing reads them (training normalises with batch statistics and overwrites the
 running ones), so no recalibration is spent there.
+
+``granularity: channel`` removes whole channels instead of masking weights, the model becoming
+smaller; sparsity is then the fraction of prunable channels removed
+(:mod:`fairprune.callbacks.channels`, :mod:`fairprune.pruning.channels`).
 """
 
 from __future__ import annotations
@@ -47,10 +51,11 @@ import torch
 from torch.utils.data import DistributedSampler
 
 from fairprune import distributed
+from fairprune.callbacks.channels import channel_step, check_run, check_settings
 from fairprune.callbacks.guards import learning_rate, nonfinite_tensor
 from fairprune.errors import UserError
 from fairprune.metrics.group import GroupRates, result_values
-from fairprune.pruning import registry
+from fairprune.pruning import channels, registry
 from fairprune.pruning.batchnorm import batchnorm_layers, recalibrate_batchnorm
 from fairprune.pruning.masks import Target, achieved_sparsity, apply_mask, prunable_targets
 from fairprune.pruning.sparsity import Sparsity
@@ -88,6 +93,10 @@ class IterativePruning(L.Callback):
         seed: seeds random pruning and k-means.
         bn_recalibration: training batches over which BatchNorm running statistics are
             re-estimated at the end of every retraining epoch, the last included (0: never).
+        granularity: weight (masks single weights) or channel (removes whole channels: a smaller
+            network; sparsity is then the fraction of prunable channels removed).
+        min_channels: channel granularity: channels every coupled channel group keeps at least.
+        channel_multiple: channel granularity: per-group kept counts rounded up to a multiple of this (8: what CPU kernels block by).
     """
 
     def __init__(
@@ -106,8 +115,11 @@ class IterativePruning(L.Callback):
         rewind_epoch: int = 0,
         seed: int = 0,
         bn_recalibration: int = 20,
+        granularity: str = "weight",
+        min_channels: int = 1, channel_multiple: int = 1,
     ) -> None:
         self.entry = registry.get(method, "vision")
+        check_settings(self.entry, granularity, min_channels, channel_multiple)
         target_sparsity = Sparsity.parse(target_sparsity, what="target_sparsity", nm=False).fraction
         if not 0.0 < keep_per_iter < 1.0:
             raise UserError(f"keep_per_iter must be in (0, 1), got {keep_per_iter}; FairGRAPE uses 0.9")
@@ -125,6 +137,7 @@ class IterativePruning(L.Callback):
         self.include_first, self.include_classifier = include_first, include_classifier
         self.score_batches, self.rewind_epoch, self.seed = score_batches, rewind_epoch, seed
         self.bn_recalibration = bn_recalibration
+        self.granularity, self.min_channels, self.channel_multiple = granularity, min_channels, channel_multiple
         self.recalibrations: list[dict[str, Any]] = []
         self._recal_loader = None
         self.densities = density_schedule(target_sparsity, keep_per_iter)
@@ -158,6 +171,8 @@ class IterativePruning(L.Callback):
         datamodule = trainer.datamodule
         if self.groups == "labels" and getattr(datamodule, "hparams", {}).get("sensitive", "x") is None:
             raise UserError("the data has no sensitive attribute; set data.sensitive or use the callback's groups: kmeans")
+        if self.granularity == "channel":
+            check_run(trainer, pl_module)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         epoch = trainer.current_epoch
@@ -193,6 +208,10 @@ class IterativePruning(L.Callback):
         start = time.perf_counter()
         if self.reference is None:
             self._set_reference(trainer, pl_module)
+        if self.granularity == "channel":
+            self._channel_step(trainer, pl_module, density, start)
+            pl_module.train(was_training)
+            return
         targets = self._targets(pl_module)
         # Every process scores the whole importance set as one process would (no sharding, no
         # reduction: the scores are bitwise one process's), then takes rank 0's masks, so the
@@ -218,6 +237,27 @@ class IterativePruning(L.Callback):
         self.history.append(entry)
         print(f"[prune] {self.method} step {entry['step']}/{len(self.densities)} at epoch {entry['epoch']}: "
               f"sparsity {entry['achieved_sparsity']:.4f} (importance {entry['seconds_importance']:.1f} s, "
+              f"selection {entry['seconds_selection']:.1f} s)", flush=True)
+
+    def _channel_step(self, trainer: L.Trainer, pl_module: L.LightningModule, density: float, start: float) -> None:
+        """One step at channel granularity (:func:`fairprune.callbacks.channels.channel_step`)."""
+        def score(targets: list[Target]) -> dict[str, torch.Tensor]:
+            with torch.enable_grad(), distributed.local():
+                return self._scores(trainer, pl_module, targets)
+
+        shares, scored = channel_step(trainer, pl_module, self.entry, density, self._targets(pl_module), score,
+                                      self.include_first, self.min_channels, self.channel_multiple)
+        self.shares += [{**share, "step": self.steps_done + 1} for share in shares]
+        selected = time.perf_counter()
+        self.steps_done += 1
+        entry = {"step": self.steps_done, "epoch": trainer.current_epoch, "density": density,
+                 "achieved_sparsity": channels.channel_sparsity(pl_module.architecture),
+                 "parameters": channels.parameter_count(pl_module),
+                 "seconds_importance": scored - start, "seconds_selection": selected - scored}
+        self.history.append(entry)
+        print(f"[prune] {self.method} step {entry['step']}/{len(self.densities)} at epoch {entry['epoch']}: channel "
+              f"sparsity {entry['achieved_sparsity']:.4f}, {entry['parameters']:,} of "
+              f"{pl_module.architecture['dense_parameters']:,} parameters (importance {entry['seconds_importance']:.1f} s, "
               f"selection {entry['seconds_selection']:.1f} s)", flush=True)
 
     # -- BatchNorm recalibration -----------------------------------------------------------------
@@ -283,7 +323,8 @@ class IterativePruning(L.Callback):
     # -- logging, report, resume -----------------------------------------------------------------
     def on_validation_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not trainer.sanity_checking:
-            pl_module.log("prune/sparsity", achieved_sparsity(self._targets(pl_module)))
+            pl_module.log("prune/sparsity", channels.channel_sparsity(pl_module.architecture) if self.granularity == "channel"
+                          else achieved_sparsity(self._targets(pl_module)))  # channels removed / weights zero
             pl_module.log("prune/steps_done", float(self.steps_done))
 
     def share_rows(self) -> list[dict[str, Any]]:
@@ -303,7 +344,9 @@ class IterativePruning(L.Callback):
     def report_fields(self) -> dict[str, Any]:
         fields: dict[str, Any] = {"method": self.method, "target_sparsity": self.target_sparsity,
                                   "keep_per_iter": self.keep_per_iter, "steps": self.history,
-                                  "groups_from": self.groups}
+                                  "groups_from": self.groups, "granularity": self.granularity,
+                                  **({"min_channels": self.min_channels, "channel_multiple": self.channel_multiple}
+                                     if self.granularity == "channel" else {})}
         if self.reference is not None:
             fields["reference"] = {"method": self.reference_method, **self.reference_facts, **self.reference}
         if self.dense is not None:
@@ -319,7 +362,7 @@ class IterativePruning(L.Callback):
     def state_dict(self) -> dict[str, Any]:
         return {"steps_done": self.steps_done, "reference": self.reference, "dense": self.dense,
                 "reference_method": self.reference_method, "reference_facts": self.reference_facts, "history": self.history,
-                "rewind": self._rewind, "method": self.method, "densities": self.densities,
+                "rewind": self._rewind, "method": self.method, "densities": self.densities, "granularity": self.granularity,
                 "shares": self.shares, "group_labels": self._group_labels, "recalibrations": self.recalibrations}  # a resumed run's group_shares.csv keeps every step
 
     def check_state(self, state: dict[str, Any], source: str = "the checkpoint") -> None:
@@ -329,6 +372,9 @@ class IterativePruning(L.Callback):
             raise UserError(f"{source} was pruned with {_schedule(state.get('method'), state.get('densities'))}, this "
                             f"run with {_schedule(self.method, self.densities)}: another method or schedule; resume "
                             "with the same pruning settings, or start afresh")
+        if state.get("granularity", "weight") != self.granularity:
+            raise UserError(f"{source} was pruned at granularity {state.get('granularity', 'weight')}, this run prunes at "
+                            f"{self.granularity}; resume with the same pruning settings, or start afresh")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.check_state(state)

@@ -56,7 +56,9 @@ class ReportWriter(L.Callback):
     when a fit ends (validation split), when a test ends and when a ``validate`` run ends.
 
     Other callbacks contribute fields by defining ``report_fields() -> dict`` (a pruning callback
-    gives its method, target sparsity, reference and timings); the data module may define it too.
+    gives its method, target sparsity, reference and timings); the data module and the model may
+    define it too (a channel-pruned vision model gives its granularity, channel sparsity and
+    parameter counts).
 
     A model that defines ``export_parts() -> list`` (a causal LM: its transformers model and
     tokenizer) has each part written with ``save_pretrained`` to ``<run>/model`` when training
@@ -87,15 +89,15 @@ class ReportWriter(L.Callback):
             self._seconds_before, self._seconds_restored, self._resuming, self.resumed = 0.0, 0.0, False, None
         run_dir(trainer)  # on every process: later, rank 0 alone writes without a collective
 
-    def _fields(self, trainer: L.Trainer) -> dict[str, Any]:
+    def _fields(self, trainer: L.Trainer, pl_module: L.LightningModule | None = None) -> dict[str, Any]:
         fields: dict[str, Any] = {"method": "dense"}
         hp = getattr(trainer.datamodule, "hparams", {})
         for key, name in (("dataset", "dataset"), ("target", "task"), ("sensitive", "sensitive")):
             if key in hp:
                 fields[name] = hp[key]
-        sources = [trainer.datamodule, *trainer.callbacks]
+        sources = [trainer.datamodule, pl_module, *trainer.callbacks]  # a model tells its own architecture
         for source in sources:
-            if source is not self and hasattr(source, "report_fields"):
+            if source is not None and source is not self and hasattr(source, "report_fields"):
                 fields.update(source.report_fields())
         return fields
 
@@ -110,13 +112,13 @@ class ReportWriter(L.Callback):
             or (pl_module.hparams.get("config") or {}).get("model_type") or type(pl_module).__name__,
             "split": stage,
         }
-        report.update(self._fields(trainer))
+        report.update(self._fields(trainer, pl_module))
         for key in ("reference", "dense"):  # per-split figures: keep this split's (and the facts beside them)
             figures = report.get(key)
             if isinstance(figures, dict) and stage in figures:
                 facts = {k: v for k, v in figures.items() if k not in ("val", "test")}
                 report[key] = {"method": "dense", **facts, **figures[stage]}
-        report["achieved_sparsity"] = achieved_sparsity(targets)
+        report.setdefault("achieved_sparsity", achieved_sparsity(targets))  # a channel-pruned model gives its own
         report.update({"metrics": {}, "groups": {}, "fairness": {}, **results})  # as the module measured them
         report.setdefault("seconds", {})["total"] = self._elapsed()
         report["threads"] = torch.get_num_threads()  # CPU threads torch ran with (train.py / prune.py --threads)

@@ -48,11 +48,13 @@ def commands() -> dict[str, Command]:
                                    {"method": method})
     table["fasp"] = Command("FASP: remove the attention heads that most raise toxicity disparity, protecting the "
                                "heads perplexity needs (or a baseline: " + ", ".join(registry.names("heads")[1:]) + ").",
-                               "fairprune.workflows.heads:fasp")
+                               "fairprune.workflows.heads:fasp", hide=("save_format", "stream"))
     table["diff-compare"] = Command("Full fine-tuning vs fine-tuning + magnitude-pruned difference vs Diff-Pruning, "
                                        "one table, from a train.py text config.", "fairprune.cli.prune:diff_compare")
     table["evaluate"] = Command("Perplexity, stereotype score and sparsity of a causal LM.",
-                                   "fairprune.workflows.lm:evaluate_lm")
+                                   "fairprune.workflows.lm:evaluate_lm", hide=("save_format",))
+    table["export"] = Command("Export a vision checkpoint to ONNX (dynamic batch), checked against PyTorch in "
+                                 "ONNX Runtime.", "fairprune.workflows.export:export_vision")
     table["compare"] = Command("Compare methods x sparsities on a vision checkpoint (--ckpt) or a causal LM "
                                   "(--model; --alphas for head pruning); one table.", "fairprune.cli.prune:compare",
                                   hide=("alpha",))
@@ -69,7 +71,7 @@ def compare(methods: list[str], output: str = "runs/compare", ckpt: str | None =
             sparsities: list[str | float] = [0.9], alphas: list[float] | None = None,
             pruning: dict[str, Any] = {}, trainer: TrainerOptions = {}, data: DataOptions = {}, seed: int = 0,
             seeds: list[int] | None = None, dense_per_seed: bool = False, reference: str = "continued",
-            baseline: str | None = None,
+            baseline: str | None = None, granularities: list[str] | None = None, deploy: bool = True,
             lm: LMOptions | None = None, solver: SolverOptions | None = None, heads: HeadOptions | None = None,
             machine: MachineOptions | None = None) -> Any:
     """Compare methods x sparsities from one vision checkpoint (--ckpt) or one causal LM (--model).
@@ -87,8 +89,10 @@ def compare(methods: list[str], output: str = "runs/compare", ckpt: str | None =
         seed: vision: the global seed; LM: the calibration sample, pair split and generation seed.
         seeds: vision: run every cell once per seed (e.g. [0, 1, 2]); the table gives mean ± sd and n.
         dense_per_seed: vision: train the dense model afresh per seed (the checkpoint's settings and epochs).
-        baseline: vision: the method every other is compared with on the same test items (difference with a paired 95 % interval; default: the first method).
+        baseline: the method every other is compared with on the same test items (vision) or the same windows and pairs (LM), with a paired 95 % interval; default: the first method; LM: also dense.
         reference: vision: what degradation is measured against: continued (the dense model trained on for as many epochs as the pruning schedule retrains, without pruning; cached) or dense (the checkpoint as it is).
+        granularities: vision: run every method at each of these granularities, e.g. [weight, channel] (default: pruning.granularity, weight); with channel the table gets a granularity column.
+        deploy: vision: measure each network's size, MACs and CPU latency (PyTorch, ONNX Runtime) beside the dense one's (columns params (M), MB, MMACs, ms/img ...; a few seconds per cell).
     """
     if (ckpt is None) == (model is None):
         raise UserError("compare needs exactly one of --ckpt (a vision checkpoint) or --model (a causal LM)")
@@ -98,15 +102,22 @@ def compare(methods: list[str], output: str = "runs/compare", ckpt: str | None =
         fractions = [Sparsity.parse(s, what="vision sparsity", nm=False).fraction for s in sparsities]
         return compare_vision(ckpt, methods, fractions, dict(pruning), output, dict(trainer),
                               dict(data), seed, seeds=seeds, dense_per_seed=dense_per_seed, reference=reference,
-                              baseline=baseline)
+                              baseline=baseline, granularities=granularities, deploy=deploy)
+    if granularities:
+        raise UserError("--granularities is for vision compares (--ckpt); an LM compare prunes weights, N:M patterns "
+                        "or heads")
     lm = dataclasses.replace(lm, model=model)
     if alphas:
+        if lm.save_format != "dense":
+            raise UserError("--save_format compressed applies to weight pruning (--sparsities); head pruning (--alphas) "
+                            "removes heads and writes dense folders")
         from fairprune.workflows.heads import compare_heads
 
         return compare_heads(lm, methods, alphas, output, heads, machine or MachineOptions())
     from fairprune.workflows.lm import compare_lm
 
-    return compare_lm(lm, methods, [Sparsity.parse(s) for s in sparsities], output, solver, machine or MachineOptions())
+    return compare_lm(lm, methods, [Sparsity.parse(s) for s in sparsities], output, solver, machine or MachineOptions(),
+                      baseline=baseline)
 
 
 def diff_compare(train_config: str, overrides: list[str] = [], target_fraction: float = 0.005, epochs: int = 3,

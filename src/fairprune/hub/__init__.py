@@ -108,16 +108,26 @@ def load_tokenizer(name_or_path: str, trust_remote_code: bool = False):
     return tok
 
 
-def load_model(name_or_path: str, task: str = "causal-lm", trust_remote_code: bool = False, **kwargs: Any):
+def load_model(name_or_path: str, task: str = "causal-lm", trust_remote_code: bool = False, dtype: str | None = None,
+               **kwargs: Any):
     """A pretrained transformers model: ``task`` is ``causal-lm`` or ``sequence-classification``
-    (``num_labels`` in ``kwargs``; a new head when the sizes differ)."""
+    (``num_labels`` in ``kwargs``; a new head when the sizes differ). ``dtype``: ``float32``,
+    ``bfloat16`` or ``float16`` (None: the dtype the checkpoint states). A folder written with
+    ``--save_format compressed`` (compressed-tensors' sparse layouts) loads with its weights rebuilt
+    bit for bit (:mod:`fairprune.hub.compressed`)."""
     import transformers
+
+    from fairprune.hub.compressed import is_compressed, load_compressed, torch_dtype
 
     auto = getattr(transformers, _AUTO[_check_task(task)])
     if task == "sequence-classification":
         kwargs.setdefault("ignore_mismatched_sizes", True)
     source = resolve_name(name_or_path)
+    if dtype is not None:
+        kwargs["dtype"] = torch_dtype(dtype)
     try:
+        if is_compressed(source):
+            return load_compressed(source, auto, trust_remote_code=trust_remote_code, **kwargs)
         return auto.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
     except pickle.UnpicklingError as err:  # a pytorch_model.bin is read as data: one that holds code is refused
         instead = f"give a folder written by save_pretrained (safetensors weights), a hub name, 'minilm' or '{SMOLLM2}'"

@@ -31,8 +31,13 @@ one process's figures exactly.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, ClassVar
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,6 +66,32 @@ def perplexity(
     ``max_tokens`` keeps only the first N tokens of it (the windows are cut from those).
     Under ``torch.distributed`` each rank runs its share of the windows (every rank must call).
     """
+    nll, count = window_losses(model, text_or_ids, tokenizer, seqlen, device, batch_size, max_tokens, progress)
+    return perplexity_of(nll, count)
+
+
+def perplexity_of(nll: torch.Tensor | Iterable[float], count: torch.Tensor | Iterable[float]) -> float:
+    """``exp`` of the summed NLL over the summed predicted tokens (sums in float64, exactly rounded)."""
+    nll = nll.tolist() if isinstance(nll, torch.Tensor) else list(nll)
+    count = count.tolist() if isinstance(count, torch.Tensor) else list(count)
+    return math.exp(math.fsum(nll) / math.fsum(count))
+
+
+@torch.no_grad()
+def window_losses(
+    model: nn.Module,
+    text_or_ids: str | Iterable[str] | torch.Tensor,
+    tokenizer=None,
+    seqlen: int | None = None,
+    device: str | torch.device | None = None,
+    batch_size: int = 1,
+    max_tokens: int | None = None,
+    progress: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per window, in order: the summed NLL of its predicted tokens and their number (float64
+    [windows] each); :func:`perplexity` of the whole text is :func:`perplexity_of` them, and its
+    interval over windows resamples them (:mod:`fairprune.metrics.lm_bootstrap`). Arguments as
+    :func:`perplexity`; collective under ``torch.distributed`` like it."""
     ids = eval_ids(text_or_ids, tokenizer, max_tokens)
     limit = _context_length(model)
     seqlen = seqlen or limit
@@ -91,8 +122,8 @@ def perplexity(
             sums[0, start : start + len(batch)] = loss.view(len(batch), -1).double().sum(1)
             sums[1, start : start + len(batch)] = seqlen - 1
             bar.update(len(batch))
-        nll, count = distributed.all_reduce_sum(sums).tolist()  # each slot is one rank's: exact
-    return math.exp(math.fsum(nll) / math.fsum(count))
+        sums = distributed.all_reduce_sum(sums).cpu()  # each slot is one rank's: exact
+    return sums[0], sums[1]
 
 
 @torch.no_grad()
@@ -126,37 +157,53 @@ STEREOTYPE_KEYS = ("stereotype_score", "stereotype_score_stereo", "stereotype_sc
                    "stereotype_pairs_neutral")  # what stereotype_scores returns (and measure_lm after perplexity)
 
 
-def stereotype_scores(model: nn.Module, tokenizer, pairs: list, device=None, batch_size: int = 16,
-                      progress: bool = False) -> dict[str, float]:
-    """The CrowS-Pairs metric (see the module docstring): ``stereotype_score`` (wins / all pairs,
-    0.5 ideal), ``stereotype_score_stereo`` / ``_antistereo`` (wins / decided pairs of that
-    direction, NaN without any: null in a report) and ``stereotype_pairs_neutral``.
-    Under ``torch.distributed`` each rank scores its share of the pairs (every rank must call)."""
+def pair_outcomes(model: nn.Module, tokenizer, pairs: list, device=None, batch_size: int = 16,
+                  progress: bool = False) -> dict[str, torch.Tensor]:
+    """Per pair, in order (bool [pairs] each): ``win`` (``sent_more`` scored higher), ``decided``
+    (the two scores differ at 3 decimals; an undecided pair is neutral) and ``anti`` (an
+    ``antistereo`` row). :func:`stereotype_scores` is computed from them, and its interval over
+    pairs resamples them. Collective under ``torch.distributed`` like it."""
     if not pairs:
         raise UserError("no sentence pairs given; pass (stereotypical, anti-stereotypical) pairs, e.g. from read_stereoset")
     # Whole batches of pairs are dealt out: a sentence is scored beside the same ones (the same
     # padding) on any number of ranks, so its log-likelihood, hence a near tie, comes out the same.
     per = max(1, batch_size // 2)
     pairs = list(pairs)
-    mine = [pair for start in distributed.shard(range(0, len(pairs), per)) for pair in pairs[start : start + per]]
-    # wins stereo, decided stereo, wins antistereo, decided antistereo, neutral, pairs
-    sums = torch.zeros(6, dtype=torch.float64)
+    mine = [i for start in distributed.shard(range(0, len(pairs), per)) for i in range(start, min(start + per, len(pairs)))]
+    slots = torch.zeros(3, len(pairs), dtype=torch.float64)  # win, decided, anti: each pair's slot is one rank's
     if mine:
-        scores = sentence_log_likelihoods(model, tokenizer, [s for pair in mine for s in pair], device, 2 * per, progress)
+        chosen = [pairs[i] for i in mine]
+        scores = sentence_log_likelihoods(model, tokenizer, [s for pair in chosen for s in pair], device, 2 * per, progress)
         scores = scores.double().round(decimals=3)  # the authors' script compares scores to 3 decimals
         more, less = scores[0::2], scores[1::2]
-        anti = torch.tensor([direction(pair) == "antistereo" for pair in mine])
-        decided = more != less
-        for k, rows in enumerate((~anti, anti)):
-            sums[2 * k] = (rows & (more > less)).sum()
-            sums[2 * k + 1] = (rows & decided).sum()
-        sums[4] = (~decided).sum()
-        sums[5] = len(mine)
-    win_s, n_s, win_a, n_a, neutral, count = distributed.all_reduce_sum(sums).tolist()
-    return {"stereotype_score": (win_s + win_a) / count,
-            "stereotype_score_stereo": win_s / n_s if n_s else math.nan,
-            "stereotype_score_antistereo": win_a / n_a if n_a else math.nan,
-            "stereotype_pairs_neutral": int(neutral)}
+        index = torch.tensor(mine)
+        slots[0, index] = (more > less).double()
+        slots[1, index] = (more != less).double()
+        slots[2, index] = torch.tensor([direction(pair) == "antistereo" for pair in chosen], dtype=torch.float64)
+    win, decided, anti = distributed.all_reduce_sum(slots).bool()
+    return {"win": win, "decided": decided, "anti": anti}
+
+
+def scores_of(win: torch.Tensor, decided: torch.Tensor, anti: torch.Tensor) -> dict[str, float]:
+    """The figures of :func:`stereotype_scores` from per-pair outcomes (:func:`pair_outcomes`)."""
+    win, decided, anti = (torch.as_tensor(x, dtype=torch.bool) for x in (win, decided, anti))
+    parts = {}
+    for name, rows in (("stereo", ~anti), ("antistereo", anti)):
+        n = int((rows & decided).sum())
+        parts[name] = int((rows & win).sum()) / n if n else math.nan
+    return {"stereotype_score": int(win.sum()) / len(win),
+            "stereotype_score_stereo": parts["stereo"],
+            "stereotype_score_antistereo": parts["antistereo"],
+            "stereotype_pairs_neutral": int((~decided).sum())}
+
+
+def stereotype_scores(model: nn.Module, tokenizer, pairs: list, device=None, batch_size: int = 16,
+                      progress: bool = False) -> dict[str, float]:
+    """The CrowS-Pairs metric (see the module docstring): ``stereotype_score`` (wins / all pairs,
+    0.5 ideal), ``stereotype_score_stereo`` / ``_antistereo`` (wins / decided pairs of that
+    direction, NaN without any: null in a report) and ``stereotype_pairs_neutral``.
+    Under ``torch.distributed`` each rank scores its share of the pairs (every rank must call)."""
+    return scores_of(**pair_outcomes(model, tokenizer, pairs, device, batch_size, progress))
 
 
 def stereotype_score(model: nn.Module, tokenizer, pairs: list, device=None, batch_size: int = 16,
@@ -209,9 +256,77 @@ def measure_lm(model: nn.Module, tokenizer, eval_text: str | torch.Tensor, eval_
     """Perplexity (non-overlapping windows over the first ``eval_tokens`` tokens of ``eval_text``,
     all of it by default; text or :func:`eval_ids`) and the paired stereotype scores
     (:func:`stereotype_scores`: the headline, 0.5 ideal, its two directions and the neutral count)."""
+    return measure_lm_items(model, tokenizer, eval_text, eval_pairs, seqlen, device, eval_tokens, progress)[0]
+
+
+def measure_lm_items(model: nn.Module, tokenizer, eval_text: str | torch.Tensor, eval_pairs: list, seqlen: int, device,
+                     eval_tokens: int | None = None, progress: bool = False) -> tuple[dict[str, float], LMItems]:
+    """:func:`measure_lm`'s figures and the per-item outcomes they are made of (per window and
+    per pair: :class:`LMItems`), which intervals and paired comparisons resample."""
     model.eval()
-    return {
-        "perplexity": float(perplexity(model, eval_text, tokenizer, seqlen=seqlen, device=device, batch_size=8,
-                                       max_tokens=eval_tokens, progress=progress)),
-        **stereotype_scores(model, tokenizer, eval_pairs, device=device, progress=progress),
-    }
+    nll, count = window_losses(model, eval_text, tokenizer, seqlen=seqlen, device=device, batch_size=8,
+                               max_tokens=eval_tokens, progress=progress)
+    outcomes = pair_outcomes(model, tokenizer, eval_pairs, device=device, progress=progress)
+    items = LMItems(nll.numpy(), count.numpy(), *(outcomes[k].numpy() for k in ("win", "decided", "anti")))
+    return {"perplexity": perplexity_of(nll, count), **scores_of(**outcomes)}, items
+
+
+@dataclass
+class LMItems:
+    """What an LM's figures are made of, item by item: per evaluation window its summed NLL and
+    predicted tokens; per stereotype pair whether ``sent_more`` won, whether the pair was decided
+    and whether it is an ``antistereo`` row. Saved beside a run's report as plain arrays
+    (``eval_items.npz``, read back without pickle)."""
+
+    window_nll: np.ndarray
+    window_tokens: np.ndarray
+    pair_win: np.ndarray
+    pair_decided: np.ndarray
+    pair_anti: np.ndarray
+
+    FILE: ClassVar[str] = "eval_items.npz"
+
+    @classmethod
+    def of_windows(cls, nll: np.ndarray, tokens: np.ndarray) -> LMItems:
+        """Items of a perplexity measurement alone (no stereotype pairs)."""
+        empty = np.zeros(0, dtype=bool)
+        return cls(np.asarray(nll, dtype=np.float64), np.asarray(tokens, dtype=np.float64), empty, empty, empty)
+
+    def figures(self) -> dict[str, float]:
+        """The report's figures, recomputed from the items."""
+        return {"perplexity": perplexity_of(self.window_nll, self.window_tokens),
+                **scores_of(torch.from_numpy(self.pair_win), torch.from_numpy(self.pair_decided),
+                            torch.from_numpy(self.pair_anti))}
+
+    def as_json(self) -> dict[str, list]:
+        return {f.name: getattr(self, f.name).tolist() for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> LMItems | None:
+        """From :meth:`as_json` (None when ``data`` is not that)."""
+        try:
+            items = cls(np.asarray(data["window_nll"], dtype=np.float64), np.asarray(data["window_tokens"], dtype=np.float64),
+                        *(np.asarray(data[k], dtype=bool) for k in ("pair_win", "pair_decided", "pair_anti")))
+        except (KeyError, TypeError, ValueError):
+            return None
+        return items if items._consistent() else None
+
+    def _consistent(self) -> bool:
+        return (self.window_nll.ndim == 1 and self.window_nll.shape == self.window_tokens.shape and len(self.window_nll) > 0
+                and self.pair_win.ndim == 1 and self.pair_win.shape == self.pair_decided.shape == self.pair_anti.shape
+                and bool(np.isfinite(self.window_nll).all()) and bool((self.window_tokens > 0).all()))
+
+    def save(self, folder: str | os.PathLike) -> None:
+        """``eval_items.npz`` in ``folder``, written whole (a temporary file renamed)."""
+        tmp = Path(folder) / (self.FILE + ".tmp.npz")
+        np.savez(tmp, **{f.name: getattr(self, f.name) for f in fields(self)})
+        tmp.replace(Path(folder) / self.FILE)
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike) -> LMItems | None:
+        """The items a run saved in ``folder`` (None when it has none or they are damaged)."""
+        try:
+            with np.load(Path(folder) / cls.FILE, allow_pickle=False) as data:
+                return cls.from_json({k: data[k] for k in data.files})
+        except (OSError, ValueError):
+            return None

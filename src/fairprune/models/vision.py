@@ -20,6 +20,7 @@ from torch import nn
 
 from fairprune.errors import UserError, suggest
 from fairprune.models.grouped import GroupEvaluation
+from fairprune.pruning import channels
 from fairprune.pruning.masks import attach_masks_for, ordered_parameters
 
 
@@ -109,6 +110,9 @@ class VisionClassifier(GroupEvaluation, L.LightningModule):
         self.optimizer_factory, self.scheduler_factory = optimizer, scheduler
         self.loss = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
         self.init_group_metrics(self.class_names, self.group_names)
+        # The channel-pruned architecture as plain data (fairprune.pruning.channels.architecture);
+        # None while the network is the one the hyper-parameters build.
+        self.architecture: dict[str, Any] | None = None
 
     # -- model ---------------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,6 +140,19 @@ class VisionClassifier(GroupEvaluation, L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # A pruned checkpoint holds weight_orig / weight_mask: mirror that before the state loads.
         attach_masks_for(self, checkpoint["state_dict"])
+        # A channel-pruned one holds its architecture: remove the same channels before the state loads.
+        record = checkpoint.get(channels.CHECKPOINT_KEY)
+        if record:
+            channels.apply_architecture(self, record)
+            self.architecture = record
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        if self.architecture:
+            checkpoint[channels.CHECKPOINT_KEY] = self.architecture
+
+    def report_fields(self) -> dict[str, Any]:
+        """A channel-pruned model's granularity, channel sparsity and parameter counts (for reports)."""
+        return channels.report_fields(self, self.architecture) if self.architecture else {}
 
     # -- steps -----------------------------------------------------------------------------------
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

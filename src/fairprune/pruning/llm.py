@@ -26,8 +26,9 @@ from fairprune.data.pairs import LMTexts
 from fairprune.data.text import calibration_ids, document_start, paired_ids
 from fairprune.errors import UserError
 from fairprune.families import Family, family_of, linear_weight, set_linear_weight
+from fairprune.metrics.language import LMItems, measure_lm_items
 from fairprune.metrics.language import eval_ids as tokenize_eval
-from fairprune.metrics.language import measure_lm
+from fairprune.metrics.lm_bootstrap import lm_intervals, lm_paired
 from fairprune.pruning import registry
 from fairprune.pruning.calibration import make_inputs, run_layerwise
 from fairprune.pruning.masks import Target, achieved_sparsity, sparsity_table
@@ -40,9 +41,16 @@ def prune_and_measure(model: nn.Module, tokenizer, method: str, sparsity: Sparsi
                       nsamples: int = 128, seqlen: int = 128, eval_seqlen: int | None = None,
                       device: torch.device | str = "cpu", percdamp: float = 0.01, blocksize: int = 128,
                       seed: int = 0, eval_tokens: int | None = None, eval_ids: torch.Tensor | None = None,
-                      dense: dict[str, float] | None = None, progress: bool = True) -> tuple[dict, dict[str, float]]:
-    """Measure, prune in place, measure again: the report of one post-training run (no files) and
-    the per-layer sparsity. The model ends on the CPU.
+                      dense: dict[str, float] | None = None, dense_items: LMItems | None = None,
+                      progress: bool = True) -> tuple[dict, dict[str, float], LMItems]:
+    """Measure, prune in place, measure again: the report of one post-training run (no files), the
+    per-layer sparsity and the pruned model's per-item outcomes. The model ends on the CPU.
+
+    The report holds ``ci`` (95 % intervals: perplexity over windows, stereotype score over pairs:
+    :func:`~fairprune.metrics.lm_bootstrap.lm_intervals`), the dense model's under
+    ``reference.ci``, and ``paired``: the pruned model against the dense one on the same
+    windows and pairs (:func:`~fairprune.metrics.lm_bootstrap.lm_paired`), when the dense items
+    are at hand (measured here, or given as ``dense_items``).
 
     Perplexity is measured on the first ``eval_tokens`` tokens of ``texts.eval_text`` (all by
     default), or on ``eval_ids`` when the caller tokenized it already. ``dense``: the dense model's
@@ -57,11 +65,11 @@ def prune_and_measure(model: nn.Module, tokenizer, method: str, sparsity: Sparsi
     talk = progress and distributed.is_main()
     ids = tokenize_eval(texts.eval_text, tokenizer, eval_tokens) if eval_ids is None else eval_ids
     dense_zeros = sparsity_by_layer(model, family)["__total__"]  # what the method did not prune itself
-    before = dense
+    before, before_items = dense, dense_items
     if before is None:
         if talk:
             print(f"[{method}] measuring the dense model ...", flush=True)
-        before = measure_lm(model, tokenizer, ids, texts.eval_pairs, eval_seqlen, device, progress=progress)
+        before, before_items = measure_lm_items(model, tokenizer, ids, texts.eval_pairs, eval_seqlen, device, progress=progress)
     measured = time.perf_counter()
     calib = calibration_ids(tokenizer, texts.calib_text, nsamples, seqlen, seed) if entry.uses_data else None
     pairs = paired_ids(tokenizer, texts.calib_pairs, seqlen) if entry.paired else None
@@ -70,7 +78,7 @@ def prune_and_measure(model: nn.Module, tokenizer, method: str, sparsity: Sparsi
     pruned = time.perf_counter()
     if talk:
         print(f"[{method}] measuring the pruned model ...", flush=True)
-    after = measure_lm(model, tokenizer, ids, texts.eval_pairs, eval_seqlen, device, progress=progress)
+    after, items = measure_lm_items(model, tokenizer, ids, texts.eval_pairs, eval_seqlen, device, progress=progress)
     model.to("cpu")
     end = time.perf_counter()
     sparsity_facts = {"target": result["target_sparsity"], "nm": result["nm"], "achieved": result["achieved_sparsity"],
@@ -85,7 +93,11 @@ def prune_and_measure(model: nn.Module, tokenizer, method: str, sparsity: Sparsi
         "seconds": {"prune": pruned - measured, "solve": result["seconds"]["solve"],
                     "evaluate": (measured - start) + (end - pruned), "total": end - start},
     }
-    return report, result["layers"]
+    report["ci"] = lm_intervals(items)
+    if before_items is not None:
+        report["reference"]["ci"] = lm_intervals(before_items)
+        report["paired"] = {"baseline": "dense", **lm_paired(items, before_items)}
+    return report, result["layers"], items
 
 
 def evaluation_facts(ids: torch.Tensor, window: int, eval_tokens: int | None, eval_pairs: list, tokenizer=None) -> dict:

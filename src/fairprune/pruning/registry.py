@@ -66,6 +66,13 @@ class Method:
         uses_data: needs data (gradients, calibration, generations) besides the weights.
         paired: lm: calibrates on paired stereotype / anti-stereotype inputs.
         rewind: vision: the kept weights rewind to an early epoch after every step (lottery ticket).
+        granularities: vision: what the method may prune: ``weight`` (masks) and / or ``channel``
+            (whole channels removed, :mod:`fairprune.pruning.channels`).
+        channel_reduce: vision, channel granularity: how the weight scores of a channel combine,
+            ``sum`` or ``l2`` (root of the summed squares).
+        channel_selection: vision, channel granularity: channels from channel scores
+            (``selection(groups, scores, density)``); None: by scope (per-layer: each channel group
+            alone, global: all channels ranked together).
         scored: heads: needs every head's perplexity and bias scores (the costly FASP pass).
         protects: heads: protects the top-γ heads for perplexity (γ is searched when unset).
     """
@@ -81,6 +88,9 @@ class Method:
     uses_data: bool = True
     paired: bool = False
     rewind: bool = False
+    granularities: tuple[str, ...] = ("weight", "channel")
+    channel_reduce: str = "sum"
+    channel_selection: Ref = None
     scored: bool = False
     protects: bool = False
 
@@ -96,6 +106,11 @@ class Method:
         """Call the method's selection (or, for an LM method, its layer solve)."""
         return _resolve(self.selection)(*args, **kwargs)
 
+    def select_channels(self, *args: Any, **kwargs: Any) -> Any:
+        """Call the method's channel selection (vision, channel granularity)."""
+        default = {"per-layer": f"{_CHANNELS}:per_group", "global": f"{_CHANNELS}:global_"}.get(self.scope)
+        return _resolve(self.channel_selection or default)(*args, **kwargs)
+
     def make_statistic(self, columns: int, device: Any = None) -> Any:
         """A fresh calibration statistic for a layer with ``columns`` inputs (LM methods with data)."""
         return _resolve(self.statistic)(columns, device=device)
@@ -106,13 +121,15 @@ class Method:
 
 
 _STEPS, _SOLVE, _HEADS = "fairprune.pruning.steps", "fairprune.pruning.llm", "fairprune.pruning.fasp.selection"
+_CHANNELS = "fairprune.pruning.channels"
 _SOLVER_OPTIONS, _HEAD_OPTIONS = "fairprune.pruning.options:SolverOptions", "fairprune.pruning.options:HeadOptions"
 
 _BUILTIN = (
     Method("fairgrape", "vision", "per-group importance (g·w)², greedy selection keeping each group's share",
-           importance=f"{_STEPS}:group_importance", selection=f"{_STEPS}:fair_shares"),
-    Method("magnitude", "vision", "weight magnitude |w| (WS)", importance=f"{_STEPS}:magnitude",
-           selection=f"{_STEPS}:per_layer", uses_data=False),
+           importance=f"{_STEPS}:group_importance", selection=f"{_STEPS}:fair_shares",
+           channel_selection=f"{_CHANNELS}:fair_shares"),
+    Method("magnitude", "vision", "weight magnitude |w| (WS); channels: L2 norm", importance=f"{_STEPS}:magnitude",
+           selection=f"{_STEPS}:per_layer", uses_data=False, channel_reduce="l2"),
     Method("snip", "vision", "connection sensitivity |g·w| on a few batches", importance=f"{_STEPS}:snip",
            selection=f"{_STEPS}:global_", scope="global"),
     Method("grasp", "vision", "gradient-flow preservation −w·Hg", importance=f"{_STEPS}:grasp",
@@ -120,7 +137,7 @@ _BUILTIN = (
     Method("random", "vision", "uniformly random weights", importance=f"{_STEPS}:random",
            selection=f"{_STEPS}:per_layer", uses_data=False),
     Method("lottery", "vision", "magnitude, kept weights rewound to an early epoch", importance=f"{_STEPS}:magnitude",
-           selection=f"{_STEPS}:per_layer", uses_data=False, rewind=True),
+           selection=f"{_STEPS}:per_layer", uses_data=False, rewind=True, granularities=("weight",)),
     Method("magnitude", "lm", "weight magnitude |w| within each output row", selection=f"{_SOLVE}:magnitude_solve",
            scope="per-row", uses_data=False),
     Method("wanda", "lm", "|w|·‖x‖₂ within each output row, no weight update", statistic="fairprune.pruning.wanda:InputNorms",
@@ -159,6 +176,9 @@ def register(method: Method, *, replace: bool = False) -> Method:
     _check_kind(method.kind)
     if method.scope not in SCOPES:
         raise UserError(f"method {method.name!r}: scope must be one of {', '.join(SCOPES)}, got {method.scope!r}")
+    if not set(method.granularities) <= {"weight", "channel"} or method.channel_reduce not in ("sum", "l2"):
+        raise UserError(f"method {method.name!r}: granularities must be among weight, channel and channel_reduce "
+                        f"sum or l2, got {method.granularities!r} and {method.channel_reduce!r}")
     needs = {"vision": ("importance", "selection"), "lm": ("selection",), "heads": ("selection",), "diff": ()}[method.kind]
     if method.kind == "lm" and method.uses_data:
         needs += ("statistic",)

@@ -70,8 +70,10 @@ def _mean_sd(mean: Any, sd: Any) -> str:
     return f"{mean:.4f} ± {sd:.4f}"
 
 
-#: The figures whose confidence intervals a table shows, in this order.
-INTERVALS = ("accuracy", "acc_gap", "degradation_std")
+#: The figures whose confidence intervals a table shows, in this order (those the rows have).
+INTERVALS = ("accuracy", "acc_gap", "degradation_std", "perplexity", "stereotype_score")
+#: The figures of a paired comparison a table shows: differences, and perplexity as a ratio.
+PAIRED = ("accuracy", "acc_gap", "degradation_std", "perplexity_ratio", "stereotype_score", "stereotype_bias")
 
 
 def _row_results(table: pd.DataFrame, results: Sequence[tuple[dict[str, Any], dict[str, Any]]], figure: str) -> list:
@@ -105,19 +107,27 @@ def add_intervals(table: pd.DataFrame, shown: pd.DataFrame, intervals: Sequence[
 def add_paired(table: pd.DataFrame, shown: pd.DataFrame, paired: Sequence[tuple[dict[str, Any], dict[str, Any]]],
                baseline: str, level: float = 0.95) -> tuple[pd.DataFrame, pd.DataFrame]:
     """Each row's paired difference against ``baseline`` (``(key columns and values,
-    paired_difference result)`` pairs): numeric ``<figure>_diff`` / ``_diff_ci_low`` /
+    paired_difference / lm_paired result)`` pairs): numeric ``<figure>_diff`` / ``_diff_ci_low`` /
     ``_diff_ci_high`` columns, and one ``Δ <figure> vs <baseline>`` column shown as
-    ``+0.051 [0.020, 0.083] *`` (``*``: the interval excludes 0)."""
+    ``+0.051 [0.020, 0.083] *`` (``*``: the interval excludes 0). A ratio (``perplexity_ratio``)
+    is shown as ``×1.052 [×1.031, ×1.074] *`` (``*``: the interval excludes 1)."""
     table, shown = table.copy(), shown.copy()
-    for figure in INTERVALS:
-        values = [[float("nan")] * 3 + [False] if r is None else [r["difference"], *r["ci"], r["excludes_zero"]]
-                  for r in _row_results(table, paired, figure)]
-        if all(math.isnan(v[0]) for v in values):
+    for figure in PAIRED:
+        found = _row_results(table, paired, figure)
+        if all(r is None for r in found):
             continue
+        ratio = any(r is not None and "ratio" in r for r in found)
+        values = [[float("nan")] * 3 + [False] if r is None else
+                  [r["ratio"] if ratio else r["difference"], *r["ci"], r["excludes_one"] if ratio else r["excludes_zero"]]
+                  for r in found]
         for j, suffix in enumerate(("diff", "diff_ci_low", "diff_ci_high")):
             table[f"{figure}_{suffix}"] = [v[j] for v in values]
-        shown[f"Δ {figure} vs {baseline}"] = ["" if math.isnan(d) else f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]{' *' if sig else ''}"
-                                               for d, lo, hi, sig in values]
+        if ratio:
+            cells = ["" if math.isnan(d) else f"×{d:.3f} [×{lo:.3f}, ×{hi:.3f}]{' *' if sig else ''}" for d, lo, hi, sig in values]
+            shown[f"{figure.removesuffix('_ratio')} vs {baseline}"] = cells
+        else:
+            shown[f"Δ {figure} vs {baseline}"] = ["" if math.isnan(d) else f"{d:+.3f} [{lo:+.3f}, {hi:+.3f}]{' *' if sig else ''}"
+                                                   for d, lo, hi, sig in values]
     return table, shown
 
 

@@ -83,7 +83,8 @@ def model_card(report: Mapping[str, Any], config: Mapping[str, Any] | None = Non
     if warnings:
         body += ["## Warnings", "", *(f"- {_text(w)}" for w in warnings), ""]
     body += _settings(report, config, kind)
-    body += _loading(method, kind, checkpoint, model_class, folder)
+    body += _loading(method, kind, checkpoint, model_class, folder, report.get("granularity") == "channel")
+    body += _compressed_weights(report)
     body += ["Written by fairprune from the run's `report.json`, which holds every figure above at full precision."]
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n")
     return str(card)
@@ -133,7 +134,9 @@ def _summary(report: Mapping[str, Any], kind: str, method: str | None, base: str
         pattern = f"{_text(report['nm'])} pattern, " if report.get("nm") else ""
         sparsity = (f" to {pattern}target sparsity {_fmt(target)}" if target is not None or pattern else "")
         if achieved is not None:
-            sparsity += f" (achieved: {_fmt(achieved)} of the prunable weights are zero)"
+            pruned = ("prunable channels are removed" if report.get("granularity") == "channel"
+                      else "prunable weights are zero")
+            sparsity += f" (achieved: {_fmt(achieved)} of the {pruned})"
         text = f"A {what} pruned by **{_text(method)}** (fairprune){sparsity}."
     if base:
         text += f" Base model: {_text(base)}."
@@ -185,7 +188,11 @@ def _classifier_body(report: Mapping[str, Any]) -> list[str]:
     rows += [[key.replace("_", " "), _cell(ref_metrics, key), _cell(_mapping(dense.get("metrics")), key),
               _cell(metrics, key, intervals)] for key in metrics if key != "accuracy" and _figure(metrics, key)[0] is not None]
     if "achieved_sparsity" in report:
-        rows.append(["sparsity (prunable weights zero)", "–", "–", _cell(report, "achieved_sparsity")])
+        label = "prunable channels removed" if report.get("granularity") == "channel" else "prunable weights zero"
+        rows.append([f"sparsity ({label})", "–", "–", _cell(report, "achieved_sparsity")])
+    if isinstance(report.get("parameters"), int) and isinstance(report.get("dense_parameters"), int):
+        dense_count = f"{report['dense_parameters']:,}"
+        rows.append(["parameters", dense_count, dense_count, f"{report['parameters']:,}"])
     keep = [0] + ([1] if reference is not None else []) + ([2] if dense else []) + [3]  # no empty column
     header = ["figure", f"reference ({_text(_mapping(reference).get('method') or 'dense')})", "dense", "this model"]
     lines = ["## Results", "", _table([header[i] for i in keep], [[row[i] for i in keep] for row in rows]), ""]
@@ -278,7 +285,7 @@ def _change(before: Mapping[str, Any], after: Mapping[str, Any], key: str) -> st
 
 # -- settings and loading ---------------------------------------------------------------------------
 def _settings(report: Mapping[str, Any], config: Mapping[str, Any], kind: str) -> list[str]:
-    rows = [[key, _plain(report.get(key))] for key in ("method", "target_sparsity", "nm", "keep_per_iter", "groups_from",
+    rows = [[key, _plain(report.get(key))] for key in ("method", "granularity", "target_sparsity", "nm", "keep_per_iter", "groups_from",
                                                       "alpha", "gamma", "scorer", "family")
             if isinstance(report.get(key), (str, int, float)) and not isinstance(report.get(key), bool)]
     if isinstance(report.get("steps"), list):
@@ -294,7 +301,7 @@ def _settings(report: Mapping[str, Any], config: Mapping[str, Any], kind: str) -
 
 
 def _loading(method: str | None, kind: str, checkpoint: str | os.PathLike | None, model_class: str | None,
-             folder: str | os.PathLike | None) -> list[str]:
+             folder: str | os.PathLike | None, channels: bool = False) -> list[str]:
     if checkpoint is not None:
         path, where = Path(checkpoint), ""
         if folder is not None:
@@ -305,7 +312,9 @@ def _loading(method: str | None, kind: str, checkpoint: str | os.PathLike | None
         module, _, cls = (model_class or "").rpartition(".")
         if not module:
             module, cls = "fairprune.models.vision", "VisionClassifier"
-        masks = [] if method in _NOT_PRUNED else ["# the pruning masks are part of the checkpoint: the model loads pruned"]
+        masks = [] if method in _NOT_PRUNED else ["# the pruned architecture is part of the checkpoint: the model loads "
+                                                  "with its channels removed" if channels else
+                                                  "# the pruning masks are part of the checkpoint: the model loads pruned"]
         code = [f"from {module} import {cls}", "", *masks,
                 f"model = {cls}.load_from_checkpoint({str(path)!r}, map_location=\"cpu\", weights_only=False)"]
         intro = f"The model is this run's Lightning checkpoint{where}; with fairprune installed:"
@@ -321,6 +330,25 @@ def _loading(method: str | None, kind: str, checkpoint: str | os.PathLike | None
     while fence in "\n".join(code):
         fence += "`"
     return ["## How to load", "", intro, "", f"{fence}python", *code, fence, ""]
+
+
+def _compressed_weights(report: Mapping[str, Any]) -> list[str]:
+    """How a folder written with ``--save_format compressed`` loads, and what its weights take."""
+    weights = _mapping(report.get("weights"))
+    if weights.get("save_format") != "compressed":
+        return []
+    size = _number(weights.get("file_bytes"))
+    ratio = _number(weights.get("ratio"))
+    share = f", {ratio:.3f} of the dense {_text(weights.get('dtype') or '')} tensors" if ratio is not None else ""
+    lines = [f"**Compressed weights.** The prunable layers are stored in compressed-tensors' "
+             f"**{_text(weights.get('format') or '')}** layout (nonzeros and a bitmask; config.json's "
+             f"`quantization_config.sparsity_config`)" + (f": {size / 1e6:.3g} MB of weights{share}." if size is not None else "."),
+             "`from_pretrained` rebuilds them where compressed-tensors still decompresses sparse checkpoints (e.g. "
+             "transformers 4.51.3 with compressed-tensors 0.9.4); transformers 5.24 with compressed-tensors 0.20 no "
+             "longer does and leaves these layers newly initialised. fairprune loads the folder with either:", "",
+             "```python", "from fairprune.hub import load_model", "",
+             "model = load_model(\"path/to/this/folder\")  # the dense weights, bit for bit", "```", ""]
+    return lines
 
 
 # -- values and tables ------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ model's row), so a workflow never reaches into nested report dicts by string key
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fairprune.reporting.report import Report
@@ -24,6 +24,7 @@ class VisionReport(Report, total=False):
     resumed: dict[str, Any]
     steps: list[dict[str, Any]]
     bn_recalibration: dict[str, Any]
+    deploy: dict[str, Any]  # pruned / dense size, MACs, latency and how they were measured (deploy_columns)
 
 
 class LMReport(Report, total=False):
@@ -36,6 +37,7 @@ class LMReport(Report, total=False):
     calibration: dict[str, Any]
     evaluation: dict[str, Any]
     threads: int
+    weights: dict[str, Any]  # save_format, dtype, format, dense_bytes, file_bytes, ratio (hub.compressed.save_weights)
 
 
 class HeadReport(Report, total=False):
@@ -58,9 +60,26 @@ class DiffReport(Report, total=False):
     ``groups``, ``fairness``); no file of its own."""
 
 
+def deploy_columns(report: Mapping[str, Any], network: str) -> dict[str, float | None]:
+    """The table columns of one network's figures in a vision report's ``deploy`` entry
+    (``pruned`` or ``dense``; :func:`fairprune.models.deploy.deploy_side_by_side`): ``params (M)``
+    (numbers its state dict stores), ``MB`` (its safetensors file), ``MMACs`` (per image) and
+    ``ms/img b<batch> (<runtime>)`` (median CPU milliseconds per image, torch and ort); none
+    when the run did not measure them."""
+    figures = (report.get("deploy") or {}).get(network)
+    if not isinstance(figures, Mapping):
+        return {}
+    columns: dict[str, float | None] = {"params (M)": figures["stored_numel"] / 1e6, "MB": figures["bytes"] / 1e6,
+                                        "MMACs": figures["macs"] / 1e6}
+    for runtime, per_batch in (figures.get("ms_per_image") or {}).items():
+        columns.update({f"ms/img b{batch} ({runtime})": ms for batch, ms in per_batch.items()})
+    return columns
+
+
 @dataclass(frozen=True)
 class VisionRow:
-    """One method at one sparsity in a vision compare (``seed`` only for repeated runs)."""
+    """One method at one sparsity in a vision compare (``seed`` only for repeated runs;
+    ``granularity``, weight or channel, for the method rows of a compare that has the column)."""
 
     method: str
     target_sparsity: float | None
@@ -71,37 +90,44 @@ class VisionRow:
     degradation_std: float | None
     seconds: float | None
     seed: int | None = None
+    granularity: str | None = None
+    deploy: dict[str, float | None] = field(default_factory=dict)  # deploy_columns: size, MACs, latency
 
     @classmethod
     def from_report(cls, report: VisionReport, method: str, target_sparsity: float | None,
-                    seed: int | None = None) -> VisionRow:
+                    seed: int | None = None, granularity: str | None = None) -> VisionRow:
         fairness = report.get("fairness", {})
         return cls(method=method, target_sparsity=target_sparsity,
                    achieved_sparsity=report.get("achieved_sparsity", 0.0),
                    accuracy=report["metrics"].get("accuracy"),
                    group_accuracy={group: values.get("accuracy") for group, values in report["groups"].items()},
                    acc_gap=fairness.get("acc_gap"), degradation_std=fairness.get("degradation_std"),
-                   seconds=report.get("seconds", {}).get("total"), seed=seed)
+                   seconds=report.get("seconds", {}).get("total"), seed=seed, granularity=granularity,
+                   deploy=deploy_columns(report, "pruned"))
 
     @classmethod
-    def dense(cls, report: VisionReport, seed: int | None = None) -> VisionRow:
+    def dense(cls, report: VisionReport, seed: int | None = None, granularity: str | None = None) -> VisionRow:
         """The dense checkpoint's row, from a pruned run's ``dense`` (older reports: ``reference``)."""
-        return cls.from_report(report.get("dense") or report["reference"], "dense", 0.0, seed)
+        row = cls.from_report(report.get("dense") or report["reference"], "dense", 0.0, seed, granularity)
+        return replace(row, deploy=deploy_columns(report, "dense"))
 
     @classmethod
-    def continued(cls, report: VisionReport, seed: int | None = None) -> VisionRow | None:
+    def continued(cls, report: VisionReport, seed: int | None = None, granularity: str | None = None) -> VisionRow | None:
         """The compute-matched reference's row (the dense model trained as long as the pruning
         schedule retrains), when the run measured against it."""
         reference = report.get("reference") or {}
         if reference.get("method") != "continued":
             return None
-        return cls.from_report(reference, f"dense +{reference.get('epochs', '?')} epochs", 0.0, seed)
+        row = cls.from_report(reference, f"dense +{reference.get('epochs', '?')} epochs", 0.0, seed, granularity)
+        return replace(row, deploy=deploy_columns(report, "dense"))  # the dense network: same size and speed
 
     def as_dict(self) -> dict[str, Any]:
-        row: dict[str, Any] = {"method": self.method, "target_sparsity": self.target_sparsity,
-                               "achieved_sparsity": self.achieved_sparsity, "accuracy": self.accuracy}
+        row: dict[str, Any] = {"method": self.method, **({"granularity": self.granularity} if self.granularity is not None else {}),
+                               "target_sparsity": self.target_sparsity, "achieved_sparsity": self.achieved_sparsity,
+                               "accuracy": self.accuracy}
         row.update({f"acc/{group}": value for group, value in self.group_accuracy.items()})
         row.update(acc_gap=self.acc_gap, degradation_std=self.degradation_std, seconds=self.seconds)
+        row.update(self.deploy)
         if self.seed is not None:
             row["seed"] = self.seed
         return row
@@ -117,22 +143,30 @@ class LMRow:
     metrics: dict[str, float] = field(default_factory=dict)
     prune_seconds: float = 0.0
     seconds: float | None = None
+    weights_mb: float | None = None  # the weights' bytes on disk / 1e6 (the dense row: what save_pretrained writes)
 
     @classmethod
     def from_report(cls, report: LMReport, method: str, sparsity: str) -> LMRow:
+        weights = report.get("weights") or {}
         return cls(method=method, sparsity=sparsity, achieved_sparsity=report["achieved_sparsity"],
                    metrics=dict(report["metrics"]), prune_seconds=report["seconds"]["prune"],
-                   seconds=report["seconds"]["total"])
+                   seconds=report["seconds"]["total"],
+                   weights_mb=None if weights.get("file_bytes") is None else weights["file_bytes"] / 1e6)
 
     @classmethod
-    def dense(cls, metrics: Mapping[str, float], achieved_sparsity: float, seconds: float) -> LMRow:
-        """The dense model's row: measured once per compare, not a run of its own."""
+    def dense(cls, metrics: Mapping[str, float], achieved_sparsity: float, seconds: float,
+              weight_bytes: int | None = None) -> LMRow:
+        """The dense model's row: measured once per compare, not a run of its own (``weight_bytes``:
+        what its weights take as ``save_pretrained`` writes them, in the runs' dtype)."""
         return cls(method="dense", sparsity="0", achieved_sparsity=achieved_sparsity, metrics=dict(metrics),
-                   prune_seconds=0.0, seconds=seconds)
+                   prune_seconds=0.0, seconds=seconds, weights_mb=None if weight_bytes is None else weight_bytes / 1e6)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"method": self.method, "sparsity": self.sparsity, "achieved_sparsity": self.achieved_sparsity,
-                **self.metrics, "prune_seconds": self.prune_seconds, "seconds": self.seconds}
+        row = {"method": self.method, "sparsity": self.sparsity, "achieved_sparsity": self.achieved_sparsity,
+               **self.metrics, "prune_seconds": self.prune_seconds, "seconds": self.seconds}
+        if self.weights_mb is not None:
+            row["weights_mb"] = self.weights_mb
+        return row
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,8 @@ JOURNAL = ("head_scores.csv", "head_scores.json")
 RUN_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "pytorch_model*.bin",
              "pytorch_model*.bin.index.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
              "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "vocab.txt",
-             "sparsity.csv", "config.yaml", "report.json", "heads_heatmap.png", "axis_correlation.png", *JOURNAL)
+             "sparsity.csv", "config.yaml", "report.json", "heads_heatmap.png", "axis_correlation.png", "README.md",
+             "eval_items.npz", *JOURNAL)
 
 
 def check_result(model, output: str | os.PathLike, method: str | None = None) -> None:
@@ -51,26 +52,38 @@ def check_result(model, output: str | os.PathLike, method: str | None = None) ->
 
 
 def write_lm_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any], config: dict[str, Any],
-                 layers: dict[str, float] | None = None) -> Path:
+                 layers: dict[str, float] | None = None, items: Any = None, save_format: str = "dense",
+                 nm: tuple[int, int] | None = None) -> Path:
     """A pruned LM's folder: the transformers model and tokenizer (``save_pretrained``: the
-    folder itself loads with ``from_pretrained``), ``sparsity.csv`` (per layer, when given),
-    ``config.yaml`` and, last, ``report.json`` (with ``threads`` added when the caller left it out).
-    The previous run of ``output`` is replaced as a whole, once this one is complete."""
-    return _write_run(output, model, tokenizer, report, config, layers)
+    folder itself loads with ``from_pretrained``; ``save_format`` compressed: compressed-tensors'
+    sparse layouts, ``nm`` the N:M pattern pruned to, see :mod:`fairprune.hub.compressed`; the
+    report's ``weights`` says how many bytes the weights take), ``sparsity.csv`` (per layer, when given),
+    ``eval_items.npz`` (the per-window and per-pair outcomes, an :class:`~fairprune.metrics.language.LMItems`,
+    when given: later paired comparisons read them), ``config.yaml`` and, last, ``report.json``
+    (with ``threads`` added when the caller left it out). The previous run of ``output`` is
+    replaced as a whole, once this one is complete."""
+    return _write_run(output, model, tokenizer, report, config, layers, extra=None if items is None else items.save,
+                      save_format=save_format, nm=nm)
 
 
 def _write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any], config: dict[str, Any],
                layers: dict[str, float] | None = None, extra: Callable[[Path], Any] | None = None,
-               keep: tuple[str, ...] = ()) -> Path:
+               keep: tuple[str, ...] = (), save_format: str | None = None, nm: tuple[int, int] | None = None) -> Path:
     """Write the run into a staging folder beside ``output`` and swap it in whole (``keep``: files
-    of ``output`` that stay); ``extra(folder)`` writes more files first."""
+    of ``output`` that stay); ``extra(folder)`` writes more files first. ``save_format`` (dense or
+    compressed) adds the report's ``weights`` block; None: ``save_pretrained`` alone."""
     check_result(model, output, report.get("method"))
     report.setdefault("threads", torch.get_num_threads())
 
     def write(out: Path) -> None:
         if extra is not None:
             extra(out)
-        model.save_pretrained(out)
+        if save_format is None:
+            model.save_pretrained(out)
+        else:  # the bytes are measured in the staged folder, before the report is written
+            from fairprune.hub.compressed import save_weights
+
+            report["weights"] = save_weights(model, out, save_format, nm)
         tokenizer.save_pretrained(out)
         if layers is not None:
             write_csv(out / "sparsity.csv", pd.DataFrame([{"layer": k, "sparsity": v} for k, v in layers.items()]),

@@ -41,22 +41,25 @@ from fairprune import distributed
 from fairprune.data.pairs import direction
 from fairprune.data.text import encode_sentence
 from fairprune.hub import cache_dir
-from fairprune.metrics.language import STEREOTYPE_KEYS, measure_lm
+from fairprune.metrics.language import STEREOTYPE_KEYS, LMItems, measure_lm_items
 from fairprune.reporting.report import write_json
 
-CACHE_VERSION = 2  # 2: the stereotype score is the CrowS-Pairs metric (sent_more wins, ties 0) with its parts
+CACHE_VERSION = 3  # 2: the stereotype score is the CrowS-Pairs metric with its parts; 3: per-item outcomes kept
 METRICS = ("perplexity", *STEREOTYPE_KEYS)  # what measure_lm returns, in the order the ranks exchange them
 OPTIONAL = {"stereotype_score_stereo", "stereotype_score_antistereo"}  # NaN (null on disk): no pair of that direction decided
 
 
 @dataclass
 class DenseFigures:
-    """The dense model's metrics, whether they came from the cache, and the seconds spent getting
-    them (measuring, or computing the key and reading the cache)."""
+    """The dense model's metrics, whether they came from the cache, the seconds spent getting
+    them (measuring, or computing the key and reading the cache) and the per-item outcomes they
+    are made of (for intervals and paired comparisons; on rank 0 alone after a cache hit under
+    ``torchrun``, where only rank 0 writes reports)."""
 
     metrics: dict[str, float]
     from_cache: bool
     seconds: float
+    items: LMItems | None = None
 
 
 def weights_digest(model: nn.Module) -> str:
@@ -98,8 +101,8 @@ def cache_path(key: dict[str, Any]):
     return cache_dir() / "dense" / f"{name}.json"
 
 
-def _read(key: dict[str, Any]) -> dict[str, float] | None:
-    """The cached figures of ``key``, or None (no file, another key, a damaged file)."""
+def _read(key: dict[str, Any]) -> tuple[dict[str, float], LMItems] | None:
+    """The cached figures and items of ``key``, or None (no file, another key, a damaged file)."""
     path = cache_path(key)
     try:
         stored = json.loads(path.read_text())
@@ -112,7 +115,10 @@ def _read(key: dict[str, Any]) -> dict[str, float] | None:
     if not all((v is None and name in OPTIONAL) or (isinstance(v, (int, float)) and math.isfinite(v))
                for name, v in zip(METRICS, values)):
         return None
-    return {name: math.nan if v is None else v for name, v in zip(METRICS, values)}
+    items = LMItems.from_json(stored.get("items"))
+    if items is None:
+        return None
+    return {name: math.nan if v is None else v for name, v in zip(METRICS, values)}, items
 
 
 def _agree(found: dict[str, float] | None) -> dict[str, float] | None:
@@ -139,18 +145,19 @@ def dense_figures(model: nn.Module, tokenizer, eval_ids: torch.Tensor, eval_pair
     talk = progress and distributed.is_main()
     key = cache_key(model, tokenizer, eval_ids, eval_pairs, window, eval_tokens, device) if use_cache else None
     if key is not None:
-        found = _agree(_read(key) if distributed.is_main() else None)
+        read = _read(key) if distributed.is_main() else None
+        found = _agree(None if read is None else read[0])
         if found is not None:
             if talk:
                 print(f"[dense] figures from the cache ({cache_path(key)})", flush=True)
-            return DenseFigures(found, True, time.perf_counter() - start)
+            return DenseFigures(found, True, time.perf_counter() - start, None if read is None else read[1])
     if talk:
         print("[dense] measuring the dense model ...", flush=True)
-    metrics = measure_lm(model, tokenizer, eval_ids, eval_pairs, window, device, progress=progress)
+    metrics, items = measure_lm_items(model, tokenizer, eval_ids, eval_pairs, window, device, progress=progress)
     seconds = time.perf_counter() - start
     if key is not None and distributed.is_main():
         try:
-            write_json(cache_path(key), {"key": key, "metrics": metrics, "seconds": seconds})
+            write_json(cache_path(key), {"key": key, "metrics": metrics, "seconds": seconds, "items": items.as_json()})
         except OSError as err:  # a read-only cache costs the next run a measurement, not this run its result
             warnings.warn(f"could not write the dense-figures cache {cache_path(key)}: {err}", stacklevel=2)
-    return DenseFigures(metrics, False, seconds)
+    return DenseFigures(metrics, False, seconds, items)

@@ -39,7 +39,7 @@ def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alph
     model, its plots and ``report.json`` into ``output``."""
     from fairprune.pruning.fasp import Generation, run_fasp
 
-    model = load_model(lm.model, "causal-lm", lm.trust_remote_code)
+    model = load_model(lm.model, "causal-lm", lm.trust_remote_code, dtype=lm.dtype)
     check_input_model(model, lm.model)  # before any work: NaN / inf weights cannot be scored
     check_free_space(output, saved_bytes(model, tokenizer))
     model = model.to(resolve_device(lm.device))
@@ -119,6 +119,8 @@ def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output
     tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
     out, shared = Path(output), None
     rows: list[HeadRow] = []
+    intervals: list[tuple[dict[str, Any], dict[str, Any]]] = []
+    paired: list[tuple[dict[str, Any], dict[str, Any]]] = []
     start = time.perf_counter()
     for method in methods:
         for alpha in alphas:
@@ -134,7 +136,12 @@ def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output
                 shared = run
             if not rows:
                 rows.append(HeadRow.dense(report))
+                intervals.append(({"method": "dense"}, report["reference"].get("ci") or {}))
             rows.append(HeadRow.from_report(report, method, alpha, entries[method].protects))
+            intervals.append(({"method": method, "alpha": alpha}, report.get("ci") or {}))
+            paired.append(({"method": method, "alpha": alpha}, report.get("paired") or {}))
     if not distributed.is_main():
         return pd.DataFrame([row.as_dict() for row in rows])
-    return write_comparison(rows, out, {"seconds": {"total": time.perf_counter() - start}})
+    # Perplexity intervals over windows on every row, each run against the dense model on the same windows.
+    return write_comparison(rows, out, {"seconds": {"total": time.perf_counter() - start}}, intervals=intervals,
+                            paired=paired, baseline="dense", title="Attention-head pruning comparison")

@@ -29,10 +29,13 @@ import torch
 
 from fairprune import distributed
 from fairprune.data.pairs import LMTexts, lm_texts
+from fairprune.errors import UserError
 from fairprune.families import family_of
 from fairprune.hub import load_model, load_tokenizer, resolve_device
 from fairprune.hub.checks import check_input_model, saved_bytes
-from fairprune.metrics.language import eval_ids
+from fairprune.hub.compressed import check_can_compress, dense_weight_bytes, weights_summary
+from fairprune.metrics.language import LMItems, eval_ids
+from fairprune.metrics.lm_bootstrap import lm_intervals, lm_paired
 from fairprune.pruning import registry
 from fairprune.pruning.llm import check_pattern_fits, evaluation_facts, prune_and_measure, sparsity_by_layer
 from fairprune.pruning.options import SolverOptions
@@ -53,7 +56,8 @@ def _load(lm: LMOptions, calibration: bool = True) -> tuple[LMTexts, Any, Any]:
     refused here, before any work)."""
     texts = lm_texts(lm.calib_text if calibration else None, lm.eval_text, lm.pairs, lm.seed)
     tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
-    model = load_model(lm.model, "causal-lm", lm.trust_remote_code)
+    check_can_compress(lm.save_format)  # --save_format compressed without its package: refused before loading
+    model = load_model(lm.model, "causal-lm", lm.trust_remote_code, dtype=lm.dtype)
     check_input_model(model, lm.model)
     return texts, tokenizer, model
 
@@ -75,11 +79,11 @@ def prune_loaded(model, tokenizer, method: str, sparsity: Sparsity, output: str 
     ``load_seconds`` and, unless ``shared_dense`` (one dense measurement serving several runs),
     the seconds ``dense`` took count towards the run's ``evaluate`` and ``total``."""
     start = time.perf_counter()
-    report, layers = prune_and_measure(model, tokenizer, method, sparsity, texts, nsamples=lm.nsamples, seqlen=lm.seqlen,
-                                       eval_seqlen=lm.window, device=resolve_device(lm.device), seed=lm.seed,
-                                       percdamp=solver.percdamp, blocksize=solver.blocksize, eval_tokens=lm.eval_tokens,
-                                       eval_ids=ids, dense=None if dense is None else dense.metrics,
-                                       progress=machine.progress)
+    report, layers, items = prune_and_measure(
+        model, tokenizer, method, sparsity, texts, nsamples=lm.nsamples, seqlen=lm.seqlen, eval_seqlen=lm.window,
+        device=resolve_device(lm.device), seed=lm.seed, percdamp=solver.percdamp, blocksize=solver.blocksize,
+        eval_tokens=lm.eval_tokens, eval_ids=ids, dense=None if dense is None else dense.metrics,
+        dense_items=None if dense is None else dense.items, progress=machine.progress)
     report = {"method": method, "model": lm.model, **report, "threads": torch.get_num_threads()}
     if dense is not None:
         report["reference"].update(from_cache=dense.from_cache, seconds=dense.seconds)
@@ -89,14 +93,22 @@ def prune_loaded(model, tokenizer, method: str, sparsity: Sparsity, output: str 
                          "total": load_seconds + dense_seconds + time.perf_counter() - start}
     check_result(model, output, method)  # on every rank (each holds the same model): all stop together
     if distributed.is_main():  # torchrun: every rank holds the same model and figures; one writes
-        write_lm_run(output, model, tokenizer, report, config, layers)
+        write_lm_run(output, model, tokenizer, report, config, layers, items, save_format=lm.save_format, nm=sparsity.nm)
         before, after = report["reference"]["metrics"], report["metrics"]
         cached = " (dense figures from the cache)" if report["reference"]["from_cache"] else ""
-        print(f"[{method}] perplexity {before['perplexity']:.2f} → {after['perplexity']:.2f}, stereotype score "
-              f"{before['stereotype_score']:.3f} → {after['stereotype_score']:.3f}, sparsity {report['achieved_sparsity']:.4f} "
+        print(f"[{method}] perplexity {before['perplexity']:.2f} → {after['perplexity']:.2f}{_ci(report, 'perplexity', '.2f')}, "
+              f"stereotype score {before['stereotype_score']:.3f} → {after['stereotype_score']:.3f}"
+              f"{_ci(report, 'stereotype_score', '.3f')}, sparsity {report['achieved_sparsity']:.4f} "
               f"(dense zeros {report['sparsity']['dense_zero_fraction']:.4f}){cached}; written to {output}", flush=True)
+        print(f"[{method}] {weights_summary(report['weights'])}", flush=True)
     distributed.barrier()
     return report
+
+
+def _ci(report: dict[str, Any], figure: str, spec: str) -> str:
+    """`` [lo, hi]``: the 95 % interval of a report's figure, when it has one."""
+    interval = (report.get("ci") or {}).get(figure)
+    return "" if not interval else f" [{interval[0]:{spec}}, {interval[1]:{spec}}]"
 
 
 def _config(lm: LMOptions, machine: MachineOptions, **fields: Any) -> dict[str, Any]:
@@ -123,6 +135,11 @@ def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm:
     machine.apply()
     registry.get(method, "lm")
     sparsity = Sparsity.parse(nm or sparsity)  # a bad value fails before the model loads
+    if lm.stream:  # read and written block by block, never whole in memory
+        from fairprune.workflows.streamed import prune_lm_streamed
+
+        config = _config(lm, machine, method=method, sparsity=str(sparsity), **asdict(solver))
+        return prune_lm_streamed(method, lm, output, sparsity, solver, machine, config, start)
     texts, tokenizer, model = _load(lm)
     check_pattern_fits(model, sparsity)  # N:M against the layer widths, before the dense model is measured
     check_free_space(output, saved_bytes(model, tokenizer))  # a full disk is found now, not after the work
@@ -146,6 +163,10 @@ def evaluate_lm(lm: LMOptions, output: str | None = None, machine: MachineOption
     """
     start = time.perf_counter()
     machine.apply()
+    if lm.stream:  # read block by block, never whole in memory
+        from fairprune.workflows.streamed import evaluate_lm_streamed
+
+        return evaluate_lm_streamed(lm, output, machine, start)
     texts, tokenizer, model = _load(lm, calibration=False)
     loaded = time.perf_counter()
     ids, figures = _dense(model, tokenizer, texts, lm, machine)
@@ -155,13 +176,19 @@ def evaluate_lm(lm: LMOptions, output: str | None = None, machine: MachineOption
               "evaluation": evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer),
               "threads": torch.get_num_threads(),
               "seconds": {"load": loaded - start, "evaluate": figures.seconds, "total": time.perf_counter() - start}}
+    if figures.items is not None:
+        report["ci"] = lm_intervals(figures.items)
     if not distributed.is_main():
         return report
     if output:
+        Path(output).mkdir(parents=True, exist_ok=True)
+        if figures.items is not None:
+            figures.items.save(output)
         write_json(Path(output) / "report.json", report)
     cached = " (from the cache)" if figures.from_cache else ""
-    print(f"[evaluate] {lm.model}: perplexity {report['metrics']['perplexity']:.2f}, stereotype score "
-          f"{report['metrics']['stereotype_score']:.3f}, sparsity {report['achieved_sparsity']:.4f}{cached}")
+    print(f"[evaluate] {lm.model}: perplexity {report['metrics']['perplexity']:.2f}{_ci(report, 'perplexity', '.2f')}, "
+          f"stereotype score {report['metrics']['stereotype_score']:.3f}{_ci(report, 'stereotype_score', '.3f')}, "
+          f"sparsity {report['achieved_sparsity']:.4f}{cached}")
     return report
 
 
@@ -180,14 +207,25 @@ def _compare_folders(output: str, methods: list[str], sparsities: list[str | flo
 @_torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
 @locked(_compare_folders)
 def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float | Sparsity], output: str,
-               solver: SolverOptions = SolverOptions(), machine: MachineOptions = MachineOptions()) -> pd.DataFrame:
+               solver: SolverOptions = SolverOptions(), machine: MachineOptions = MachineOptions(),
+               baseline: str | None = None) -> pd.DataFrame:
     """Every method at every sparsity from one model: one run folder each (``<method>_<sparsity>``)
     and one comparison in ``output``. The dense model is measured once (or taken from the cache),
-    and its figures are every run's reference."""
+    and its figures are every run's reference. Every row carries 95 % intervals (perplexity over
+    windows, stereotype score over pairs) and each method's paired difference against
+    ``baseline`` (default: the first method; ``dense`` compares every run with the dense model)
+    at the same sparsity, on the same windows and pairs."""
     start = time.perf_counter()
     machine.apply()
+    if lm.stream:
+        raise UserError("--stream true prunes one model per command (prune.py magnitude, wanda, sparsegpt, "
+                        "debias-sparsegpt) or evaluates one; compare holds the model in memory: drop --stream")
     for method in methods:
         registry.get(method, "lm")
+    baseline = baseline or methods[0]
+    if baseline not in (*methods, "dense"):
+        raise UserError(f"--baseline {baseline!r} is neither dense nor one of the compared methods ({', '.join(methods)}); "
+                        "name one of them")
     sparsities = [Sparsity.parse(s) for s in sparsities]
     texts, tokenizer, model = _load(lm)
     for s in sparsities:  # every N:M pattern must fit the layer widths before the first run
@@ -196,7 +234,7 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     load_seconds = time.perf_counter() - start
     ids, dense = _dense(model, tokenizer, texts, lm, machine)
     dense_zeros = sparsity_by_layer(model, family_of(model))["__total__"]
-    rows = [LMRow.dense(dense.metrics, dense_zeros, dense.seconds)]
+    rows = [LMRow.dense(dense.metrics, dense_zeros, dense.seconds, dense_weight_bytes(model))]
     for method in methods:
         for s in sparsities:
             name = _cell(method, s)
@@ -204,7 +242,7 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
                 print(f"[compare] {name} ...", flush=True)
             tick = time.perf_counter()
             if model is None:  # the first run prunes the model the dense figures came from
-                model = load_model(lm.model, "causal-lm", lm.trust_remote_code)
+                model = load_model(lm.model, "causal-lm", lm.trust_remote_code, dtype=lm.dtype)
                 load_seconds = time.perf_counter() - tick
             config = _config(lm, machine, method=method, sparsity=str(s), **asdict(solver))
             report = prune_loaded(model, tokenizer, method, s, Path(output) / name, texts, lm, solver, config,
@@ -217,4 +255,23 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
                            "dense_zero_fraction": dense_zeros, "seconds": dense.seconds},
              "evaluation": evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer),
              "threads": torch.get_num_threads(), "seconds": {"total": time.perf_counter() - start}}
-    return write_comparison(rows, output, extra)
+    intervals, paired = _lm_statistics(Path(output), methods, sparsities, baseline, dense.items)
+    extra["baseline"] = baseline
+    return write_comparison(rows, output, extra, intervals=intervals, paired=paired, baseline=baseline,
+                            title="Language-model pruning comparison")
+
+
+def _lm_statistics(output: Path, methods: list[str], sparsities: list[Sparsity], baseline: str,
+                   dense: LMItems | None) -> tuple[list, list]:
+    """Every row's intervals and each run's paired difference against ``baseline`` at its
+    sparsity, from the items each run folder holds (``eval_items.npz``) and the dense model's."""
+    items = {(m, str(s)): LMItems.load(output / _cell(m, s)) for m in methods for s in sparsities}
+    intervals = [({"method": m, "sparsity": s}, lm_intervals(found)) for (m, s), found in items.items() if found is not None]
+    if dense is not None:
+        intervals.append(({"method": "dense", "sparsity": "0"}, lm_intervals(dense)))
+    paired = []
+    for (m, s), found in items.items():
+        against = dense if baseline == "dense" else items.get((baseline, s))
+        if m != baseline and found is not None and against is not None:
+            paired.append(({"method": m, "sparsity": s}, lm_paired(found, against)))
+    return intervals, paired

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TypedDict
 
 from fairprune.errors import UserError
+from fairprune.hub.formats import DTYPES, SAVE_FORMATS
 from fairprune.pruning.options import CalibrationOptions
 
 
@@ -31,6 +32,9 @@ class LMOptions(CalibrationOptions):
         eval_text: text measured for perplexity, e.g. WikiText-2 raw test (default: the bundled corpus).
         trust_remote_code: allow a hub model's own code to run.
         dense_cache: reuse the dense model's figures measured by an earlier run with the same weights, texts and settings (kept in the project cache, .cache/fairprune/dense); false: measure again.
+        dtype: float32, bfloat16 or float16: the dtype the model is loaded, pruned and saved in (the solvers work in float32 inside each layer).
+        save_format: dense (save_pretrained: zeros stored) or compressed (compressed-tensors sparse-bitmask, or sparse-24-bitmask at 2:4: the nonzeros and a bitmask); weight pruning only.
+        stream: read the weights block by block from the model's safetensors folder and write the pruned ones block by block, so the model is never whole in memory (one block resident; magnitude, wanda, sparsegpt, debias-sparsegpt and evaluate).
     """
 
     model: str = field(kw_only=True)
@@ -38,6 +42,17 @@ class LMOptions(CalibrationOptions):
     eval_text: str | None = None
     trust_remote_code: bool = False
     dense_cache: bool = True
+    dtype: str = "float32"
+    save_format: str = "dense"
+    stream: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.dtype not in DTYPES:
+            raise UserError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+        if self.save_format not in SAVE_FORMATS:
+            raise UserError(f"--save_format {self.save_format!r} is not one of {', '.join(SAVE_FORMATS)} (compressed: "
+                            "compressed-tensors' sparse-bitmask / sparse-24-bitmask)")
 
 
 @dataclass(frozen=True)

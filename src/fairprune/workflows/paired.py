@@ -19,14 +19,42 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
+from fairprune.errors import UserError
 from fairprune.metrics.group.bootstrap import bootstrap, paired_difference
+from fairprune.pruning.channels import GRANULARITIES
 
 ITEMS = "test_items.npz"
 
 
-def cell_name(method: str, sparsity: float) -> str:
-    """The folder (and table key) of one vision compare cell."""
-    return f"{method}_s{sparsity:g}"
+def cell_name(method: str, sparsity: float, granularity: str = "weight") -> str:
+    """The folder (and table key) of one vision compare cell: ``<method>_s<sparsity>`` at weight
+    granularity, ``<method>_channel_s<sparsity>`` at channel granularity."""
+    return f"{method}_s{sparsity:g}" if granularity == "weight" else f"{method}_{granularity}_s{sparsity:g}"
+
+
+def compare_granularities(granularities: list[str] | None, pruning: dict[str, Any] | None) -> list[str]:
+    """The granularities a compare runs every method at: ``granularities``, or the one the shared
+    ``pruning`` settings name (weight by default); both given, they must agree."""
+    given = (pruning or {}).get("granularity")
+    found = list(granularities) if granularities else [given or "weight"]
+    bad = [g for g in found if g not in GRANULARITIES]
+    if bad or not found or len(set(found)) != len(found):
+        raise UserError(f"granularities must be distinct ones of {', '.join(GRANULARITIES)}, got {found}")
+    if granularities and given is not None and found != [given]:
+        raise UserError(f"pruning.granularity {given!r} and granularities {found} disagree; give the granularities "
+                        "in one place (granularities: [weight, channel] runs every method at both)")
+    return found
+
+
+def cell_settings(pruning: dict[str, Any] | None, seeds: list[int], granularities: list[str], methods: list[str],
+                  sparsities: list[float]) -> dict[tuple[int, str, str, float], dict[str, Any]]:
+    """Every compare cell's IterativePruning settings by (seed, granularity, method, sparsity). A
+    weight cell's have no granularity key (its config.yaml is the one earlier versions wrote, so
+    their finished cells are reused); the seed is the cell's only with several seeds."""
+    shared = {k: v for k, v in (pruning or {}).items() if k != "granularity"}
+    return {(s, g, m, sp): {**shared, "method": m, "target_sparsity": sp, **({"granularity": g} if g != "weight" else {}),
+                            **({"seed": s} if len(seeds) > 1 else {})}
+            for s in seeds for g in granularities for m in methods for sp in sparsities}
 
 
 @torch.no_grad()
@@ -82,21 +110,28 @@ def paired_rows(cells: dict[str, list[Path]], baseline: str, group_names: list[s
 
 def compare_statistics(reports: dict[str, list[dict[str, Any]]], folders: dict[str, list[Path]], firsts: list[dict[str, Any]],
                        methods: list[str], sparsities: list[float], baseline: str, dense_rows: list[tuple[str, str]],
-                       seed: int = 0) -> tuple[list, list]:
+                       seed: int = 0, granularities: list[str] | None = None) -> tuple[list, list]:
     """The intervals of every row and each method's paired difference against ``baseline`` at
-    the same sparsity, as :func:`fairprune.reporting.compare.write_comparison` takes them.
-    ``dense_rows``: (row label, report key) of the dense rows; ``firsts``: per seed, a report
-    holding the dense figures."""
-    intervals = [({"method": m, "target_sparsity": s}, bootstrap(reports[cell_name(m, s)], seed=seed))
-                 for m in methods for s in sparsities if cell_name(m, s) in reports]
+    the same sparsity and granularity, as :func:`fairprune.reporting.compare.write_comparison` takes
+    them. ``dense_rows``: (row label, report key) of the dense rows; ``firsts``: per seed, a report
+    holding the dense figures; ``granularities``: None for a compare without that dimension (the
+    keys then leave it out)."""
+    levels = granularities or ["weight"]
+
+    def cell_key(m: str, s: float, g: str) -> dict[str, Any]:
+        return {"method": m, **({"granularity": g} if granularities else {}), "target_sparsity": s}
+
+    intervals = [(cell_key(m, s, g), bootstrap(reports[cell_name(m, s, g)], seed=seed))
+                 for g in levels for m in methods for s in sparsities if cell_name(m, s, g) in reports]
     for label, key in dense_rows:  # the dense rows' intervals, over the seeds' dense models
         figures = [r.get(key) or r["reference"] for r in firsts]
         intervals.append(({"method": label, "target_sparsity": 0.0}, bootstrap(figures, seed=seed)))
     paired = []
     if firsts:
         names = list(firsts[0].get("groups") or {})
-        for s in sparsities:
-            cells = {m: folders[cell_name(m, s)] for m in methods if cell_name(m, s) in folders}
-            for method, result in paired_rows(cells, baseline, names, firsts[0].get("reference"), seed).items():
-                paired.append(({"method": method, "target_sparsity": s}, result))
+        for g in levels:
+            for s in sparsities:
+                cells = {m: folders[cell_name(m, s, g)] for m in methods if cell_name(m, s, g) in folders}
+                for method, result in paired_rows(cells, baseline, names, firsts[0].get("reference"), seed).items():
+                    paired.append((cell_key(method, s, g), result))
     return intervals, paired

@@ -31,6 +31,7 @@ from fairprune.callbacks.report import ReportWriter
 from fairprune.callbacks.signals import CheckpointOnStop, stop_in, stops_reported
 from fairprune.errors import UserError
 from fairprune.metrics.group.bootstrap import bootstrap
+from fairprune.models.deploy import deploy_report, input_shape_of
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.plots import plot_error_rate_changes, plot_group_shares
 from fairprune.reporting.records import VisionReport, VisionRow
@@ -39,6 +40,7 @@ from fairprune.storage.atomic import write_text
 from fairprune.storage.checkpoints import read_checkpoint
 from fairprune.storage.digest import file_sha256
 from fairprune.storage.lock import locked
+from fairprune.workflows import paired as compare_cells
 from fairprune.workflows.options import DataOptions, TrainerOptions
 from fairprune.workflows.paired import cell_name, compare_statistics, item_outcomes, save_items
 from fairprune.workflows.reference import (
@@ -102,6 +104,7 @@ def prune_vision(
     resume: str | None = None,
     seed: int = 0,
     reference: str = "continued",
+    deploy: bool = True,
 ) -> dict[str, Any]:
     """Prune a trained checkpoint with one method, retraining between steps; return its report
     (test split, with the figures degradation is measured against under ``reference`` and the
@@ -121,9 +124,11 @@ def prune_vision(
         resume: checkpoint of an interrupted pruning run to resume.
         seed: global seed.
         reference: what degradation is measured against: continued (the dense model trained on for as many epochs as the pruning schedule retrains, without pruning; cached) or dense (the checkpoint as it is).
+        deploy: measure the pruned and the dense network's size, MACs and CPU latency (PyTorch, ONNX Runtime) into report.json's deploy (a few seconds per small model).
     """
     check_reference(reference)
-    report, _ = _prune(ckpt, pruning, IterativePruning(**pruning), output, name, trainer, data, resume, seed, reference)
+    report, _ = _prune(ckpt, pruning, IterativePruning(**pruning), output, name, trainer, data, resume, seed, reference,
+                       deploy)
     print(f"[prune] {report.get('method')}: accuracy {report.get('metrics', {}).get('accuracy', float('nan')):.4f}, "
           f"sparsity {report.get('achieved_sparsity', float('nan')):.4f}")
     return report
@@ -131,7 +136,7 @@ def prune_vision(
 
 def _prune(ckpt: str, pruning: dict[str, Any], callback: IterativePruning, output: str, name: str | None,
            trainer: TrainerOptions | None, data: DataOptions | None, resume: str | None = None,
-           seed: int = 0, reference: str = "continued") -> tuple[dict[str, Any], IterativePruning]:
+           seed: int = 0, reference: str = "continued", deploy: bool = True) -> tuple[dict[str, Any], IterativePruning]:
     """The run behind :func:`prune_vision`: its report and the pruning callback (FairGRAPE's shares)."""
     L.seed_everything(seed, workers=True, verbose=False)
     name = name or callback.method
@@ -174,6 +179,9 @@ def _prune(ckpt: str, pruning: dict[str, Any], callback: IterativePruning, outpu
         report["warnings"] = outgrown(report) + small_group_warnings(report["ci"], report)
         if fit.is_global_zero:
             save_items(run, item_outcomes(model, datamodule.test_dataloader()))
+            if deploy:  # the pruned network beside the dense checkpoint's, measured in one run
+                report["deploy"] = deploy_report({"pruned": model.net, "dense": load_trained(ckpt, data)[0].net},
+                                                 input_shape_of(datamodule))
             write_json(run / writer.filename, report)
             for warning in report["warnings"]:
                 print(f"[prune] warning: {warning}", flush=True)
@@ -283,15 +291,18 @@ def train_dense(ckpt: str | Path, folder: Path, seed: int, trainer: TrainerOptio
 
 
 def _compare_folders(output: str, methods: list[str], sparsities: list[float], seed: int = 0,
-                     seeds: list[int] | None = None, dense_per_seed: bool = False, **_: Any) -> list[Path]:
+                     seeds: list[int] | None = None, dense_per_seed: bool = False, granularities: list[str] | None = None,
+                     pruning: dict[str, Any] | None = None, **_: Any) -> list[Path]:
     """Every folder :func:`compare_vision` writes, its output first: the per-seed dense runs and the
     cells, named as its loop names them. All are locked before the first cell runs, so a run into
     one of them (``prune.py vision --name <cell>``) is refused while compare runs, and compare is
     refused at once by such a run."""
     seeds = list(seeds) if seeds else [seed]
     bases = [Path(output) / f"seed{s}" if len(seeds) > 1 else Path(output) for s in seeds]
+    levels = compare_cells.compare_granularities(granularities, pruning)
     return [Path(output)] + [folder for base in bases for folder in ([base / "dense"] if dense_per_seed else [])
-                             + [base / cell_name(method, sparsity) for method in methods or [] for sparsity in sparsities or []]]
+                             + [base / cell_name(method, sparsity, g) for g in levels for method in methods or []
+                                for sparsity in sparsities or []]]
 
 
 @locked(_compare_folders)
@@ -308,8 +319,10 @@ def compare_vision(
     dense_per_seed: bool = False,
     reference: str = "continued",
     baseline: str | None = None,
+    granularities: list[str] | None = None,
+    deploy: bool = True,
 ) -> pd.DataFrame:
-    """Run every method at every sparsity from one dense checkpoint and write one table.
+    """Run every method at every sparsity (and granularity) from one dense checkpoint; one table.
 
     Writes ``comparison.csv``, ``comparison.md``, ``report.json``, ``report.html``,
     ``group_accuracy.png``, ``error_rate_changes.png`` (per-group FPR / FNR change with 95 %
@@ -326,6 +339,10 @@ def compare_vision(
     folder holds a finished run (``report.json`` of the test split) under the same settings
     (``config.yaml``) is reused as it is, and one cut short resumes from its last checkpoint; a
     cell whose settings changed runs again from the start.
+
+    ``granularities`` (default: ``pruning``'s, weight) runs every method at each (channel cells in
+    ``<method>_channel_s<sparsity>``, a ``granularity`` column; paired at the same granularity). ``deploy``: each cell's report measures its network and the dense one
+    (``report.json``'s ``deploy``; the table's size, MACs and latency columns).
     """
     if not methods or not sparsities:
         raise UserError("compare needs at least one method and one sparsity")
@@ -338,21 +355,17 @@ def compare_vision(
     if len(set(seeds)) != len(seeds):
         raise UserError(f"seeds must differ from each other, got {seeds}")
     # Every cell's settings and callback, built (and so checked) once, before the first long run starts.
-    plan: dict[tuple[int, str, float], tuple[dict[str, Any], IterativePruning]] = {}
-    for s in seeds:
-        for method in methods:
-            for sparsity in sparsities:
-                settings = {**(pruning or {}), "method": method, "target_sparsity": sparsity}
-                if len(seeds) > 1:
-                    settings["seed"] = s
-                plan[s, method, sparsity] = settings, IterativePruning(**settings)
+    levels = compare_cells.compare_granularities(granularities, pruning)
+    shown = levels != ["weight"]  # a granularity column (and key) once a compare prunes channels
+    plan = {key: (settings, IterativePruning(**settings))
+            for key, settings in compare_cells.cell_settings(pruning, seeds, levels, methods, sparsities).items()}
     output = Path(output)
     repeated = len(seeds) > 1
     rows: list[VisionRow] = []
     reports: dict[str, list[VisionReport]] = {}
     runs: dict[str, str] = {}
     shares: dict[str, list[pd.DataFrame]] = {}
-    cells, start, recalibration = len(seeds) * len(methods) * len(sparsities), time.perf_counter(), None
+    cells, start, recalibration = len(plan), time.perf_counter(), None
     firsts: list[VisionReport] = []  # per seed, the first cell's report: it holds the dense figures
     folders: dict[str, list[Path]] = {}  # per cell, its run folder per seed
     for s in seeds:
@@ -366,10 +379,10 @@ def compare_vision(
                 raise
             raise stop from None
         dense_seen = False
-        for method in methods:
+        for granularity, method in [(g, m) for g in levels for m in methods]:
             for sparsity in sparsities:
-                name = cell_name(method, sparsity)
-                settings, callback = plan[s, method, sparsity]
+                name = cell_name(method, sparsity, granularity)
+                settings, callback = plan[s, granularity, method, sparsity]
                 done = sum(len(r) for r in reports.values())
                 label = f"[compare] {name}{f' seed {s}' if repeated else ''} ({done + 1}/{cells})"
                 report, resume = _earlier_cell(base / name, _run_config(str(source), settings, str(base), name, trainer, data, s,
@@ -383,7 +396,7 @@ def compare_vision(
                     print(f"{label}{f': resuming from {resume}' if resume else ''} ...", flush=True)
                     try:
                         report, _ = _prune(str(source), settings, callback, str(base), name, trainer, data, resume=resume,
-                                           seed=s, reference=reference)
+                                           seed=s, reference=reference, deploy=deploy)
                     except BaseException as err:
                         # Run again, compare reuses the finished cells and resumes this one from its last.ckpt.
                         kept = "resumes from its last checkpoint" if (base / name / "checkpoints" / "last.ckpt").is_file() \
@@ -403,11 +416,13 @@ def compare_vision(
                 if not dense_seen and "reference" in report:
                     dense_seen = True
                     firsts.append(report)
-                    rows.append(VisionRow.dense(report, seed=s if repeated else None))
-                    continued = VisionRow.continued(report, seed=s if repeated else None)
+                    blank = "" if shown else None  # the dense rows' granularity cell
+                    rows.append(VisionRow.dense(report, seed=s if repeated else None, granularity=blank))
+                    continued = VisionRow.continued(report, seed=s if repeated else None, granularity=blank)
                     if continued is not None:
                         rows.append(continued)
-                rows.append(VisionRow.from_report(report, method, sparsity, seed=s if repeated else None))
+                rows.append(VisionRow.from_report(report, method, sparsity, seed=s if repeated else None,
+                                                  granularity=granularity if shown else None))
     table = pd.DataFrame([row.as_dict() for row in rows])
     if not distributed.is_main():  # under DDP every rank ran the cells; rank 0 writes the comparison
         return table
@@ -424,10 +439,11 @@ def compare_vision(
     dense_rows = [(row.method, key) for row, key in ((VisionRow.dense(firsts[0]), "dense"),
                                                      (VisionRow.continued(firsts[0]), "reference")) if row] if firsts else []
     intervals, paired = compare_statistics(reports, {n: [Path(p) for p in folders[n]] for n in folders}, firsts, methods,
-                                           sparsities, baseline, dense_rows, seed)
+                                           sparsities, baseline, dense_rows, seed, granularities=levels if shown else None)
     extra = {"runs": runs, "seeds": seeds, "dense_per_seed": dense_per_seed, "bn_recalibration": recalibration,
              "reference": reference, "warnings": warnings, "seconds": {"total": time.perf_counter() - start},
              "data": next((r["data"] for cell in reports.values() for r in cell if r.get("data")), {})}  # kept / left out
-    return write_comparison(rows, output, extra, keys=["method", "target_sparsity"], figures=figures,
+    keys = ["method", "granularity", "target_sparsity"] if shown else ["method", "target_sparsity"]
+    return write_comparison(rows, output, {**extra, "granularities": levels}, keys=keys, figures=figures,
                             title=f"Vision pruning comparison ({', '.join(methods)})", intervals=intervals,
                             paired=paired, baseline=baseline)

@@ -17,7 +17,8 @@ from torch import nn
 from fairprune import distributed
 from fairprune.data.prompts import check_prompts, holistic_prompts, split_prompts
 from fairprune.errors import UserError, suggest
-from fairprune.metrics.language import eval_ids
+from fairprune.metrics.language import LMItems, eval_ids
+from fairprune.metrics.lm_bootstrap import lm_intervals, lm_paired
 from fairprune.metrics.toxicity import ToxicityScorer, make_scorer, scorer_name
 from fairprune.pruning import registry
 from fairprune.pruning.fasp.scoring import Evaluator, Generation, head_bias_by_axis, head_bias_impact, score_heads, token_ids
@@ -149,6 +150,9 @@ def run_fasp(
                       "fairness": {"bias": reference["bias"]}},
         "gamma_search": search, "seconds": seconds,
     }
+    after, before = (LMItems.of_windows(*figures["windows"]) for figures in (pruned, reference))
+    report["ci"], report["reference"]["ci"] = lm_intervals(after), lm_intervals(before)
+    report["paired"] = {"baseline": "dense", **lm_paired(after, before)}
     scored = scores is not None
     return FaspResult(report, axes, list(selection.protected), list(selection.removed),
                    head_bias_impact(scores, axes) if scored else None,

@@ -27,7 +27,7 @@ from torch import nn
 from fairprune import distributed
 from fairprune.data.text import join_documents
 from fairprune.errors import UserError, suggest
-from fairprune.metrics.language import perplexity
+from fairprune.metrics.language import perplexity_of, window_losses
 from fairprune.metrics.toxicity import ToxicityScorer, bias_by_axis, make_scorer, scorer_name
 from fairprune.pruning.fasp.batched import auto_rows, perplexities
 from fairprune.pruning.fasp.sampling import Generation, generate_configurations, generate_continuations
@@ -73,11 +73,12 @@ class Evaluator:
         was_training = self.model.training
         self.model.eval()
         try:
-            ppl = perplexity(self.model, self.ppl_ids, seqlen=self.seqlen, batch_size=self.ppl_batch_size)
+            nll, count = window_losses(self.model, self.ppl_ids, seqlen=self.seqlen, batch_size=self.ppl_batch_size)
             bias = measure_bias(self.model, self.tokenizer, self.prompts, self.scorer, self.generation, self.subgroup)
         finally:
             self.model.train(was_training)
-        return {"perplexity": ppl, "bias": bias}
+        # The windows' losses stay with the figures: the report's perplexity interval resamples them.
+        return {"perplexity": perplexity_of(nll, count), "bias": bias, "windows": (nll.numpy(), count.numpy())}
 
     def many(self, configs: torch.Tensor, reuse: dict | None = None) -> list[dict]:
         """What :meth:`__call__` gives for each head configuration of ``configs`` (``[C, layers, heads]``

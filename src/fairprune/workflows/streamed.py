@@ -1,0 +1,312 @@
+"""``prune.py <method> --stream true``: prune a causal LM bigger than memory, one block resident.
+
+The same run as :func:`fairprune.workflows.lm.prune_lm` — measure the dense model, prune, measure
+the pruned one, write the folder and its report — with the weights read block by block from the
+input folder's safetensors files and the pruned ones written block by block to the output's
+(:mod:`fairprune.pruning.streamed`, :mod:`fairprune.metrics.streamed`): the model is never whole in
+memory, neither dense nor pruned. The pruned model is measured from the files just written, so
+the figures are those of the folder a later ``from_pretrained`` loads.
+
+``--model`` must be a local folder of safetensors weights (``save_pretrained``'s layout): a hub
+name is read from its snapshot in the local cache, ``smollm2-135m`` / a ``*.gguf`` file from its
+converted folder. ``--dtype`` is what blocks are held, run and written in (the solvers work in
+float32 inside each layer). The dense figures come from the same cache as the in-memory runs:
+the key hashes the weights as loaded in that dtype, read tensor by tensor.
+
+``report.json`` gains ``stream: true`` and ``memory``: the process's peak resident memory
+(``ru_maxrss``) when the work began (after the imports) and at the end, the largest block's
+parameter bytes and the largest part resident at once (a block, the embeddings or the head).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import resource
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+import yaml
+
+import fairprune
+from fairprune.data.pairs import direction, lm_texts
+from fairprune.data.text import calibration_ids, encode_sentence, paired_ids
+from fairprune.errors import UserError
+from fairprune.hub import load_tokenizer, resolve_device, resolve_name
+from fairprune.hub.compressed import dtype_name, megabytes, torch_dtype, weight_file_bytes
+from fairprune.hub.shards import ShardWriter, local_folder
+from fairprune.metrics.language import eval_ids
+from fairprune.metrics.lm_bootstrap import lm_intervals, lm_paired
+from fairprune.metrics.streamed import measure_streamed
+from fairprune.pruning import registry
+from fairprune.pruning.llm import check_pattern_fits, evaluation_facts
+from fairprune.pruning.options import SolverOptions
+from fairprune.pruning.sparsity import Sparsity
+from fairprune.pruning.streamed import StreamedModel, prune_streamed, stream_facts
+from fairprune.reporting.model_card import write_model_card
+from fairprune.reporting.report import write_json
+from fairprune.reporting.runs import RUN_FILES
+from fairprune.storage.atomic import write_csv, write_text
+from fairprune.storage.folders import check_free_space, replace_folder
+from fairprune.workflows import dense as dense_cache
+from fairprune.workflows.dense import DenseFigures
+from fairprune.workflows.options import LMOptions, MachineOptions
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def return_freed_memory() -> None:
+    """On glibc, serve every buffer of 256 KiB or more from its own mapping, so a freed block's
+    weights or activations go back to the system at once. By default glibc raises that threshold
+    to the size of the largest buffer freed so far, and later buffers below it come from a heap
+    that does not shrink: a streamed run would keep the memory of blocks long gone."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 256 * 1024)
+        except (OSError, AttributeError):  # another C library: its own policy stands
+            pass
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident memory so far: ``ru_maxrss`` (KiB on Linux, bytes on macOS),
+    on Linux taken from ``/proc/self/status`` (``VmHWM``, the same high-water mark) because
+    ``ru_maxrss`` also keeps the resident size the parent had when it started this program."""
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    except (OSError, StopIteration, ValueError):
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def open_streamed(lm: LMOptions) -> StreamedModel:
+    """The streamed model a ``--model`` names, in ``--dtype`` (its weights stay on disk)."""
+    folder = local_folder(lm.model, resolve_name(lm.model))
+    return StreamedModel(folder, torch_dtype(lm.dtype), lm.trust_remote_code, source=lm.model)
+
+
+def check_streamable(lm: LMOptions) -> None:
+    """Refuse what a streamed run does not do, before any work."""
+    from fairprune import distributed
+
+    if lm.save_format != "dense":
+        raise UserError(f"--stream true writes the pruned model block by block as plain safetensors; --save_format "
+                        f"{lm.save_format} needs the whole model in memory: use --save_format dense with --stream true")
+    if distributed.world()[1] > 1:
+        raise UserError("--stream true runs in one process; run it without torchrun")
+
+
+def streamed_digest(sm: StreamedModel) -> str:
+    """:func:`fairprune.workflows.dense.weights_digest` of the model as ``from_pretrained`` would
+    load it in the same dtype, read tensor by tensor (the same bytes, so the same digest)."""
+    model = sm.model
+    digest = hashlib.sha256(type(model).__name__.encode())
+    settings = {k: v for k, v in model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+    for name, tensor in sorted(model.state_dict(keep_vars=True).items()):
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
+        flat = sm.read_output(name).contiguous().reshape(-1)
+        digest.update(memoryview(flat.view(torch.uint8).numpy()))
+    return digest.hexdigest()
+
+
+def streamed_cache_key(sm: StreamedModel, tokenizer, ids: torch.Tensor, pairs: list, window: int,
+                       eval_tokens: int | None, device) -> dict[str, Any]:
+    """:func:`fairprune.workflows.dense.cache_key` of a streamed model."""
+    pair_ids = [encode_sentence(tokenizer, sentence) for pair in pairs for sentence in pair]
+    return {
+        "version": dense_cache.CACHE_VERSION, "fairprune": fairprune.__version__,
+        "model": streamed_digest(sm), "eval_ids": dense_cache._ids_digest(ids),
+        "pairs": dense_cache._ids_digest([*pair_ids, [int(direction(pair) == "antistereo") for pair in pairs]]),
+        "window": int(window), "eval_tokens": eval_tokens,
+        "device": torch.device(device).type, "dtype": str(sm.dtype),
+    }
+
+
+def streamed_dense_figures(sm: StreamedModel, tokenizer, ids: torch.Tensor, pairs: list, window: int, device, *,
+                           eval_tokens: int | None = None, use_cache: bool = True, progress: bool = True) -> DenseFigures:
+    """:func:`fairprune.workflows.dense.dense_figures` of a streamed model: the cache entry an
+    in-memory run of the same weights wrote, or a streamed measurement (then cached)."""
+    start = time.perf_counter()
+    key = streamed_cache_key(sm, tokenizer, ids, pairs, window, eval_tokens, device) if use_cache else None
+    if key is not None:
+        found = dense_cache._read(key)
+        if found is not None:
+            if progress:
+                print(f"[dense] figures from the cache ({dense_cache.cache_path(key)})", flush=True)
+            return DenseFigures(found[0], True, time.perf_counter() - start, found[1])
+    if progress:
+        print("[dense] measuring the dense model, streamed ...", flush=True)
+    metrics, items = measure_streamed(sm, tokenizer, ids, pairs, window, device, progress=progress)
+    seconds = time.perf_counter() - start
+    if key is not None:
+        try:
+            write_json(dense_cache.cache_path(key), {"key": key, "metrics": metrics, "seconds": seconds,
+                                                     "items": items.as_json()})
+        except OSError as err:
+            warnings.warn(f"could not write the dense-figures cache {dense_cache.cache_path(key)}: {err}", stacklevel=2)
+    return DenseFigures(metrics, False, seconds, items)
+
+
+def write_model_files(sm: StreamedModel, out: Path) -> None:
+    """``config.json`` (the run's dtype) and ``generation_config.json`` beside the weights, as
+    ``save_pretrained`` writes them."""
+    from transformers import GenerationConfig
+
+    config = sm.model.config
+    config.architectures = [type(sm.model).__name__]
+    config.dtype = sm.dtype
+    config.save_pretrained(out)
+    generation = None
+    if (sm.folder / "generation_config.json").is_file():
+        try:
+            generation = GenerationConfig.from_pretrained(sm.folder)
+        except (OSError, ValueError):
+            generation = None
+    generation = generation or getattr(sm.model, "generation_config", None)
+    if generation is not None and sm.model.can_generate():
+        generation.save_pretrained(out)
+
+
+def _ci(report: dict[str, Any], figure: str, spec: str) -> str:
+    interval = (report.get("ci") or {}).get(figure)
+    return "" if not interval else f" [{interval[0]:{spec}}, {interval[1]:{spec}}]"
+
+
+def prune_lm_streamed(method: str, lm: LMOptions, output: str, sparsity: Sparsity, solver: SolverOptions,
+                      machine: MachineOptions, config: dict[str, Any], start: float | None = None) -> dict[str, Any]:
+    """The streamed ``prune.py <method>`` run (see the module docstring); ``config`` is written as
+    the run's ``config.yaml``, ``start`` is when the command began (its imports before it)."""
+    start = time.perf_counter() if start is None else start
+    rss_start = peak_rss_bytes()
+    entry = registry.get(method, "lm")
+    check_streamable(lm)
+    return_freed_memory()
+    talk = machine.progress
+    device = resolve_device(lm.device)
+    texts = lm_texts(lm.calib_text, lm.eval_text, lm.pairs, lm.seed)
+    tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
+    sm = open_streamed(lm)
+    check_pattern_fits(sm.model, sparsity)
+    plan = sm.output_tensors()
+    total_bytes = sum(t.numel() * t.element_size() for t in plan.values())
+    check_free_space(output, total_bytes + 128 * len(tokenizer) + 64 * 1024)
+    loaded = time.perf_counter()
+    ids = eval_ids(texts.eval_text, tokenizer, lm.eval_tokens)
+    dense = streamed_dense_figures(sm, tokenizer, ids, texts.eval_pairs, lm.window, device, eval_tokens=lm.eval_tokens,
+                                   use_cache=lm.dense_cache, progress=talk)
+    calib = calibration_ids(tokenizer, texts.calib_text, lm.nsamples, lm.seqlen, lm.seed) if entry.uses_data else None
+    pairs = paired_ids(tokenizer, texts.calib_pairs, lm.seqlen) if entry.paired else None
+    facts = stream_facts(sm)
+    report: dict[str, Any] = {}
+
+    def write(out: Path) -> None:
+        tick = time.perf_counter()
+        writer = ShardWriter(out, plan, total_parameters=sm.num_parameters())
+        try:
+            result = prune_streamed(sm, method, sparsity, calib, pairs, device, solver.percdamp, solver.blocksize,
+                                    writer=writer, progress=talk)
+            files = writer.close()
+        finally:
+            writer.abort()
+        write_model_files(sm, out)
+        tokenizer.save_pretrained(out)
+        pruned_at = time.perf_counter()
+        if talk:
+            print(f"[{method}] measuring the pruned model, streamed from {len(files)} file(s) ...", flush=True)
+        pruned = StreamedModel(out, sm.dtype, lm.trust_remote_code, source=str(output))
+        after, items = measure_streamed(pruned, tokenizer, ids, texts.eval_pairs, lm.window, device, progress=talk)
+        end = time.perf_counter()
+        written = weight_file_bytes(out)
+        report.update({
+            "method": method, "model": lm.model, "family": result["family"], "target_sparsity": result["target_sparsity"],
+            "nm": result["nm"], "achieved_sparsity": result["achieved_sparsity"],
+            "sparsity": {"target": result["target_sparsity"], "nm": result["nm"], "achieved": result["achieved_sparsity"],
+                         "dense_zero_fraction": result["dense_zero_fraction"]},
+            "metrics": after,
+            "reference": {"method": "dense", "metrics": dense.metrics, "from_cache": dense.from_cache, "seconds": dense.seconds},
+            "calibration": {"nsamples": lm.nsamples if calib is not None else 0, "seqlen": lm.seqlen,
+                            "pairs": len(texts.calib_pairs) if pairs is not None else 0, "eval_pairs": len(texts.eval_pairs)},
+            "evaluation": evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer),
+            "seconds": {"load": loaded - start, "prune": pruned_at - tick, "solve": result["seconds"]["solve"],
+                        "evaluate": dense.seconds + (end - pruned_at), "total": end - start},
+            "threads": torch.get_num_threads(),
+            "stream": True,
+            "weights": {"save_format": "dense", "dtype": dtype_name(sm.dtype), "format": "dense",
+                        "dense_bytes": total_bytes, "file_bytes": written, "ratio": written / total_bytes if total_bytes else None},
+            "memory": {"peak_rss_bytes": peak_rss_bytes(), "peak_rss_at_start_bytes": rss_start,
+                       "largest_block_bytes": facts.largest_block_bytes, "largest_part_bytes": facts.largest_part_bytes,
+                       "model_bytes": total_bytes},
+        })
+        report["ci"] = lm_intervals(items)
+        if dense.items is not None:
+            report["reference"]["ci"] = lm_intervals(dense.items)
+            report["paired"] = {"baseline": "dense", **lm_paired(items, dense.items)}
+        items.save(out)
+        write_csv(out / "sparsity.csv", pd.DataFrame([{"layer": k, "sparsity": v} for k, v in result["layers"].items()]),
+                  index=False)
+        write_text(out / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+        write_model_card(out, report, config)
+        write_json(out / "report.json", report)
+
+    replace_folder(output, write, owned=RUN_FILES)
+    before, after, memory = report["reference"]["metrics"], report["metrics"], report["memory"]
+    cached = " (dense figures from the cache)" if report["reference"]["from_cache"] else ""
+    print(f"[{method}] perplexity {before['perplexity']:.2f} → {after['perplexity']:.2f}{_ci(report, 'perplexity', '.2f')}, "
+          f"stereotype score {before['stereotype_score']:.3f} → {after['stereotype_score']:.3f}"
+          f"{_ci(report, 'stereotype_score', '.3f')}, sparsity {report['achieved_sparsity']:.4f} "
+          f"(dense zeros {report['sparsity']['dense_zero_fraction']:.4f}){cached}; written to {output}", flush=True)
+    print(f"[{method}] streamed in {dtype_name(sm.dtype)}: peak resident memory {megabytes(memory['peak_rss_bytes'])} "
+          f"({megabytes(memory['peak_rss_at_start_bytes'])} before loading), largest block "
+          f"{megabytes(memory['largest_block_bytes'])} of a {megabytes(memory['model_bytes'])} model", flush=True)
+    return report
+
+
+def evaluate_lm_streamed(lm: LMOptions, output: str | None, machine: MachineOptions,
+                         start: float | None = None) -> dict[str, Any]:
+    """``prune.py evaluate --stream true``: perplexity, stereotype score and sparsity of a model
+    read block by block (the dense cache as the in-memory command uses it)."""
+    start = time.perf_counter() if start is None else start
+    check_streamable(lm)
+    return_freed_memory()
+    device = resolve_device(lm.device)
+    texts = lm_texts(None, lm.eval_text, lm.pairs, lm.seed)
+    tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
+    sm = open_streamed(lm)
+    loaded = time.perf_counter()
+    ids = eval_ids(texts.eval_text, tokenizer, lm.eval_tokens)
+    figures = streamed_dense_figures(sm, tokenizer, ids, texts.eval_pairs, lm.window, device, eval_tokens=lm.eval_tokens,
+                                     use_cache=lm.dense_cache, progress=machine.progress)
+    zeros = total = 0
+    for block in sm.blocks:  # the prunable layers' zeros, one block read at a time
+        with sm.loaded(*sm.family.block_linears(block).values()):
+            for layer in sm.family.block_linears(block).values():
+                zeros += int((layer.weight == 0).sum())
+                total += layer.weight.numel()
+    report = {"method": "evaluate", "model": lm.model, "achieved_sparsity": zeros / total if total else 0.0,
+              "metrics": figures.metrics, "from_cache": figures.from_cache,
+              "evaluation": evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer),
+              "threads": torch.get_num_threads(), "stream": True,
+              "seconds": {"load": loaded - start, "evaluate": figures.seconds, "total": time.perf_counter() - start}}
+    if figures.items is not None:
+        report["ci"] = lm_intervals(figures.items)
+    facts = stream_facts(sm)
+    report["memory"] = {"peak_rss_bytes": peak_rss_bytes(), "largest_block_bytes": facts.largest_block_bytes,
+                        "largest_part_bytes": facts.largest_part_bytes}
+    if output:
+        Path(output).mkdir(parents=True, exist_ok=True)
+        if figures.items is not None:
+            figures.items.save(output)
+        write_json(Path(output) / "report.json", report)
+    cached = " (from the cache)" if figures.from_cache else ""
+    print(f"[evaluate] {lm.model}: perplexity {report['metrics']['perplexity']:.2f}{_ci(report, 'perplexity', '.2f')}, "
+          f"stereotype score {report['metrics']['stereotype_score']:.3f}{_ci(report, 'stereotype_score', '.3f')}, "
+          f"sparsity {report['achieved_sparsity']:.4f}{cached}")
+    return report
+
