@@ -76,12 +76,30 @@ def test_sliced_model_is_counted_from_its_tensors(model_type):
     assert [row["heads_kept"] for row in size["layers"]] == [2, 1]  # 4 − pruned heads
     assert [row["heads_removed"] for row in size["layers"]] == [2, 3]
     assert size["note"] is None and not removal.zeroed and params_equal(size)
+    # Per layer, what left the tensors adds up to the parameter count's drop, 4 bytes each in float32.
+    assert sum(row["parameters_removed"] for row in size["layers"]) == before.parameters - size["parameters"]["stored"]
+    assert all(row["bytes_removed"] == 4 * row["parameters_removed"] > 0 for row in size["layers"])
     if model_type == "gpt2":
         # Multi-head attention: every FLOP belongs to one head, so FLOPs scale with the heads left.
         assert size["attention_flops_per_token"]["stored"] * 8 == before.attention_flops * (8 - len(HEADS))
     else:  # layer 1's emptied key/value group leaves the tensors
         assert [row["kv_heads_removed"] for row in size["layers"]] == [0, 1]
         assert [row["kv_heads_kept"] for row in size["layers"]] == [2, 1]
+
+
+def test_tokens_per_second_times_one_window_and_restores_the_mode():
+    """A throughput figure for the report (its size is a benchmark's business, not a test's): finite,
+    positive, one window of the given length, the model's train / eval mode left as it was."""
+    from fairprune.pruning.head_size import tokens_per_second
+
+    model = build("gpt2").train()
+    seen = []
+    hook = model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape),
+                                           with_kwargs=True)
+    speed = tokens_per_second(model, torch.arange(64) % model.config.vocab_size, 16, repeats=2)
+    hook.remove()
+    assert 0 < speed < float("inf") and model.training
+    assert seen == [(1, 16)] * 3  # one untimed forward, then the timed ones
 
 
 @pytest.mark.parametrize("model_type", list(BUILDERS))

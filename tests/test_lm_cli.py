@@ -194,6 +194,9 @@ def test_fasp_command_and_head_compare(trained, tmp_path, small_eval):
                                                    "perplexity_ratio_diff_ci_low", "perplexity_ratio_diff_ci_high"]
     assert (table["perplexity_ci_low"] <= table["perplexity"]).all() and (table["perplexity"] <= table["perplexity_ci_high"]).all()
     assert fasp_run["paired"]["perplexity_ratio"]["ratio"] == pytest.approx(table["perplexity"][1] / table["perplexity"][0])
+    speed = fasp_run["size"]["tokens_per_second"]  # measured before and after the heads left
+    assert speed["before"] > 0 and speed["after"] > 0 and speed["threads"] >= 1
+    assert {"parameters_removed", "bytes_removed"} <= set(fasp_run["size"]["layers"][0])
     assert table["perplexity_ratio_diff"][0] != table["perplexity_ratio_diff"][0]  # the dense row: no ratio (NaN)
 
 

@@ -29,8 +29,11 @@ tokens of a causal window.
 
 from __future__ import annotations
 
+import statistics
+import time
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from fairprune.families import family_of, linear_weight
@@ -100,14 +103,19 @@ def measure(model: nn.Module, context: int, removal: HeadRemoval | None = None) 
     return ModelSize(context, params, params - effective, flops, effective_flops, layers)
 
 
-def size_report(before: ModelSize, after: ModelSize, family_name: str, shrinkable: bool, loadable: bool) -> dict:
+def size_report(before: ModelSize, after: ModelSize, family_name: str, shrinkable: bool, loadable: bool,
+                element_size: int = 4) -> dict:
     """The ``size`` section of ``report.json``: totals before / stored / effective, per-layer head
-    counts, and a one-line note when removed heads were zeroed rather than cut out."""
+    counts with the parameters and bytes physically cut out of that layer's tensors (heads zeroed
+    in place count 0: their tensors keep their size), and a one-line note when removed heads were
+    zeroed rather than cut out. ``element_size``: bytes per stored parameter."""
     layers = []
     for index, (old, new) in enumerate(zip(before.layers, after.layers)):
+        cut = (old.heads - new.heads) * old.q_params + (old.kv_heads - new.kv_heads) * old.kv_params
         layers.append({"layer": index, "heads_kept": new.heads - new.zeroed, "heads_removed": old.heads - new.heads,
                        "heads_zeroed": new.zeroed, "kv_heads_kept": new.kv_heads - new.kv_zeroed,
-                       "kv_heads_removed": old.kv_heads - new.kv_heads, "kv_heads_zeroed": new.kv_zeroed})
+                       "kv_heads_removed": old.kv_heads - new.kv_heads, "kv_heads_zeroed": new.kv_zeroed,
+                       "parameters_removed": cut, "bytes_removed": cut * element_size})
     zeroed = sum(layer["heads_zeroed"] for layer in layers)
     note = None
     if zeroed:
@@ -135,7 +143,25 @@ def size_report(before: ModelSize, after: ModelSize, family_name: str, shrinkabl
 def removal_size(before: ModelSize, model: nn.Module, removal: HeadRemoval, loadable: bool = True) -> dict:
     """:func:`size_report` for ``model`` after ``remove_heads(..., loadable=loadable)``, given its size ``before``."""
     family = family_of(model)
-    return size_report(before, measure(model, before.context, removal), family.name, family.heads_shrinkable, loadable)
+    return size_report(before, measure(model, before.context, removal), family.name, family.heads_shrinkable, loadable,
+                       next(model.parameters()).element_size())
+
+
+@torch.no_grad()
+def tokens_per_second(model: nn.Module, ids: torch.Tensor, seqlen: int, repeats: int = 3) -> float:
+    """Measured forward throughput: tokens of one ``seqlen`` window of ``ids`` (batch 1, no cache)
+    per second, the median of ``repeats`` timings after one untimed forward, on torch's threads."""
+    window = ids.reshape(-1)[:seqlen].reshape(1, -1).to(next(model.parameters()).device)
+    was_training = model.training
+    model.eval()
+    model(input_ids=window, use_cache=False)
+    timings = []
+    for _ in range(repeats):
+        tick = time.perf_counter()
+        model(input_ids=window, use_cache=False)
+        timings.append(time.perf_counter() - tick)
+    model.train(was_training)
+    return window.numel() / statistics.median(timings)
 
 
 def summary(size: dict) -> str:

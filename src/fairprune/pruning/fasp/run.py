@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+import torch
 from torch import nn
 
 from fairprune import distributed
@@ -23,7 +24,7 @@ from fairprune.metrics.toxicity import ToxicityScorer, make_scorer, scorer_name
 from fairprune.pruning import registry
 from fairprune.pruning.fasp.scoring import Evaluator, Generation, head_bias_by_axis, head_bias_impact, score_heads, token_ids
 from fairprune.pruning.fasp.selection import counts, search_gamma, select_heads
-from fairprune.pruning.head_size import measure, removal_size
+from fairprune.pruning.head_size import measure, removal_size, tokens_per_second
 from fairprune.pruning.heads import HeadGates, remove_heads
 
 
@@ -132,8 +133,11 @@ def run_fasp(
 
     tick = time.perf_counter()
     size_before = measure(model, seqlen)
+    speed_before = tokens_per_second(model, on_test.ppl_ids, seqlen)
     removal = remove_heads(model, selection.removed, loadable=loadable)
     size = removal_size(size_before, model, removal, loadable)
+    size["tokens_per_second"] = {"before": speed_before, "after": tokens_per_second(model, on_test.ppl_ids, seqlen),
+                                 "window": min(seqlen, on_test.ppl_ids.numel()), "threads": torch.get_num_threads()}
     seconds["removal"] = time.perf_counter() - tick
     tick = time.perf_counter()
     with distributed.local():
