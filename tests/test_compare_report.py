@@ -106,9 +106,9 @@ def test_vision_compare_over_seeds(dense_ckpt, tmp_path, one_thread):
     assert "±" in (out / "comparison.md").read_text()
     saved = json.loads((out / "report.json").read_text())
     assert saved["seeds"] == [0, 1] and saved["dense_per_seed"] is True and saved["bn_recalibration"] == 2
-    for plot in ("group_accuracy.png", "error_rate_changes.png", "group_shares.png"):
+    for plot in ("group_accuracy.png", "error_rate_changes.png", "group_shares.png", "latency_tradeoff.png"):
         assert (out / plot).is_file(), plot
-    assert_self_contained(out / "report.html", ["dense", "magnitude", "fairgrape"], images=3)
+    assert_self_contained(out / "report.html", ["dense", "magnitude", "fairgrape"], images=4)
 
 
 def test_one_seed_keeps_the_single_run_layout(dense_ckpt, tmp_path, one_thread):
@@ -163,6 +163,24 @@ def test_lm_compare_writes_a_self_contained_page(tmp_path):
     expected = [float("nan") if wanda[c] is None else wanda[c] for c in figures]
     assert table.iloc[2][figures].tolist() == pytest.approx(expected, nan_ok=True)
     assert_self_contained(out / "report.html", ["dense", "magnitude", "wanda"], images=0)
+
+
+def test_latency_tradeoff_plot_reads_the_deploy_columns(tmp_path):
+    """With measured latency the comparison plots accuracy and the worst group (the lowest group
+    accuracy of each row) against it, error bars over seeds; without latency there is no such plot."""
+    from fairprune.reporting.plots import latency_tradeoff_figure
+
+    rows = [{"method": m, "seed": seed, "accuracy": acc + 0.01 * seed, "acc/A": a, "acc/B": b + 0.02 * seed,
+             "ms/img b32 (ort)": ms * (1 + 0.1 * seed)}
+            for seed in (0, 1) for m, acc, a, b, ms in (("dense", 0.9, 0.95, 0.85, 0.4), ("fairgrape", 0.88, 0.8, 0.9, 0.2))]
+    write_comparison(rows, tmp_path, echo=False)
+    assert (tmp_path / "latency_tradeoff.png").is_file()
+    table = pd.read_csv(tmp_path / "comparison.csv")
+    fig = latency_tradeoff_figure(table)
+    worst = [line for line in fig.axes[0].get_legend_handles_labels()[1] if "worst group" in line]
+    assert worst == ["dense: worst group (B)", "fairgrape: worst group (A)"]  # B is dense's lowest, A fairgrape's
+    write_comparison([{k: v for k, v in r.items() if not k.startswith("ms/")} for r in rows], tmp_path / "plain", echo=False)
+    assert not (tmp_path / "plain" / "latency_tradeoff.png").exists()
 
 
 def test_a_page_with_an_external_reference_fails_the_check(tmp_path):

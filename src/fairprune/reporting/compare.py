@@ -19,7 +19,7 @@ from typing import Any
 import pandas as pd
 
 from fairprune.reporting.html import write_html
-from fairprune.reporting.plots import plot_group_accuracy, plot_quality_bias
+from fairprune.reporting.plots import plot_group_accuracy, plot_latency_tradeoff, plot_quality_bias
 from fairprune.reporting.records import Row, as_dicts
 from fairprune.reporting.report import markdown, write_json
 from fairprune.storage.atomic import write_csv, write_text
@@ -174,6 +174,10 @@ def write_comparison(rows: Sequence[Row | dict[str, Any]], output: str | os.Path
     accuracy = plot_group_accuracy(table, out / "group_accuracy.png", index=index)
     if accuracy is not None:
         plots.insert(0, (accuracy, "Accuracy per group" + (" (mean ± sd over seeds)" if repeated else "")))
+    tradeoff = plot_latency_tradeoff(table, out / "latency_tradeoff.png", index=index)  # vision rows with deploy figures
+    if tradeoff is not None:
+        plots.insert(1, (tradeoff, "Accuracy and worst-group accuracy against measured CPU latency (ONNX Runtime, "
+                                   "batch 32)" + (", mean ± sd over seeds" if repeated else "")))
     quality = plot_quality_bias(table, out / "perplexity_bias.png", index=index)  # LM and heads compares
     if quality is not None:
         bias = "stereotype score (0.5: no preference)" if any(c.startswith("stereotype_score") for c in table.columns) \

@@ -194,6 +194,53 @@ def plot_group_accuracy(table: pd.DataFrame, path: str | os.PathLike, index: str
     return None if fig is None else _save(fig, path)
 
 
+LATENCY = "ms/img b32 (ort)"  # the deploy figure the trade-off plot reads (ONNX Runtime, batch 32)
+
+
+def latency_tradeoff_figure(table: pd.DataFrame, index: str = "method", latency: str = LATENCY):
+    """The figure of :func:`plot_latency_tradeoff`, or None without latency and accuracy."""
+    import numpy as np
+
+    x, accuracy = _column(table, latency), _column(table, "accuracy")
+    groups = [c for c in table.columns if c.startswith("acc/") and not c.endswith("_sd")]
+    groups = [c for c in groups if c.endswith("_mean")] or groups
+    if x is None or accuracy is None or x.isna().all() or not groups:
+        return None
+    per_group = table[groups].astype(float).to_numpy()
+    worst_at = np.nanargmin(np.where(np.isnan(per_group), np.inf, per_group), axis=1)
+    worst = per_group[np.arange(len(table)), worst_at]
+
+    def sd(column: str) -> np.ndarray:
+        name = column.removesuffix("_mean") + "_sd"
+        return table[name].astype(float).fillna(0.0).to_numpy() if name in table.columns else np.zeros(len(table))
+
+    worst_sd = np.array([sd(groups[j])[i] for i, j in enumerate(worst_at)])
+    plt = _plt()
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for i, (_, row) in enumerate(table.iterrows()):
+        label = " ".join(str(row[c]) for c in (index, "granularity") if c in table.columns and row[c] == row[c])
+        colour = f"C{i % 10}"
+        ax.errorbar(x.iloc[i], accuracy.iloc[i], xerr=sd(latency)[i] if f"{latency}_mean" in table else None,
+                    yerr=sd("accuracy_mean")[i] if "accuracy_mean" in table else None, fmt="o", color=colour,
+                    capsize=3, label=f"{label}: accuracy")
+        ax.errorbar(x.iloc[i], worst[i], yerr=worst_sd[i], fmt="v", color=colour, capsize=3, mfc="white",
+                    label=f"{label}: worst group ({groups[worst_at[i]].removeprefix('acc/').removesuffix('_mean')})")
+    ax.set_xlabel(f"CPU latency, {latency} (lower is faster)")
+    ax.set_ylabel("test accuracy")
+    ax.set_title("accuracy (●) and worst-group accuracy (▽) against latency" +
+                 (" (mean ± sd over seeds)" if "accuracy_mean" in table else ""))
+    _legend_beside(ax)
+    return fig
+
+
+def plot_latency_tradeoff(table: pd.DataFrame, path: str | os.PathLike, index: str = "method") -> Path | None:
+    """Each row's accuracy and worst-group accuracy against its measured CPU latency (ONNX
+    Runtime, batch 32: the deploy figures), ±1 sd error bars over seeds when the table is
+    aggregated. None (and no file) when the table has no latency column."""
+    fig = latency_tradeoff_figure(table, index)
+    return None if fig is None else _save(fig, path)
+
+
 def _column(table: pd.DataFrame, name: str) -> pd.Series | None:
     """A figure's column, plain or aggregated over seeds (``<name>_mean``), as floats."""
     for column in (name, f"{name}_mean"):
