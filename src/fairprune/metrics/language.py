@@ -92,24 +92,10 @@ def window_losses(
     [windows] each); :func:`perplexity` of the whole text is :func:`perplexity_of` them, and its
     interval over windows resamples them (:mod:`fairprune.metrics.lm_bootstrap`). Arguments as
     :func:`perplexity`; collective under ``torch.distributed`` like it."""
-    ids = eval_ids(text_or_ids, tokenizer, max_tokens)
-    limit = _context_length(model)
-    seqlen = seqlen or limit
-    if seqlen is None:
-        raise UserError("the model does not state its context length; give a perplexity window (--eval_seqlen)")
-    if seqlen < 2:
-        raise UserError(f"a perplexity window needs at least 2 tokens (one to predict from), got {seqlen}; "
-                        "use --eval_seqlen 2 or more")
-    if limit is not None and seqlen > limit:
-        raise UserError(f"seqlen {seqlen} exceeds the model's context length {limit}; use --seqlen {limit} or less")
     if batch_size < 1:
         raise UserError(f"perplexity batch size must be at least 1, got {batch_size}")
-    windows = ids.numel() // seqlen
-    if windows == 0:
-        capped = f" (capped by --eval_tokens {max_tokens})" if max_tokens is not None else ""
-        raise UserError(f"evaluation text has {ids.numel()} tokens{capped}, fewer than one window of {seqlen}; "
-                        "give more text or a smaller seqlen")
-    ids = ids[: windows * seqlen].view(windows, seqlen)
+    ids = eval_windows(model, eval_ids(text_or_ids, tokenizer, max_tokens), seqlen, max_tokens)
+    windows, seqlen = ids.shape
     starts = distributed.shard(range(0, windows, batch_size))  # whole batches: the same on any number of ranks
     bar = tqdm(total=sum(len(ids[s : s + batch_size]) for s in starts), desc="perplexity", unit="window",
                leave=False, disable=not progress or not distributed.is_main())
@@ -227,6 +213,28 @@ def eval_ids(text_or_ids: str | Iterable[str] | torch.Tensor, tokenizer=None, ma
     else:
         ids = tokenizer(join_documents(text_or_ids), return_tensors="pt", verbose=False).input_ids[0]
     return ids[:max_tokens]
+
+
+def eval_windows(model: nn.Module, ids: torch.Tensor, seqlen: int | None, max_tokens: int | None = None) -> torch.Tensor:
+    """1-D evaluation ``ids`` cut into whole non-overlapping windows ``[windows, seqlen]`` (the
+    tail shorter than a window dropped; ``seqlen`` None: the model's context length), each check a
+    one-line :class:`UserError` (``max_tokens``: the cap the ids were cut to, named in the message)."""
+    limit = _context_length(model)
+    seqlen = seqlen or limit
+    if seqlen is None:
+        raise UserError("the model does not state its context length; give a perplexity window (--eval_seqlen)")
+    if seqlen < 2:
+        raise UserError(f"a perplexity window needs at least 2 tokens (one to predict from), got {seqlen}; "
+                        "use --eval_seqlen 2 or more")
+    if limit is not None and seqlen > limit:
+        raise UserError(f"seqlen {seqlen} exceeds the model's context length {limit}; use --seqlen {limit} or less")
+    ids = ids.flatten().long()
+    windows = ids.numel() // seqlen
+    if windows == 0:
+        capped = f" (capped by --eval_tokens {max_tokens})" if max_tokens is not None else ""
+        raise UserError(f"evaluation text has {ids.numel()} tokens{capped}, fewer than one window of {seqlen}; "
+                        "give more text or a smaller seqlen")
+    return ids[: windows * seqlen].view(windows, seqlen)
 
 
 def _context_length(model: nn.Module) -> int | None:

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from fairprune.data.pairs import direction
 from fairprune.data.text import encode_sentence
 from fairprune.errors import UserError
-from fairprune.metrics.language import LMItems, _context_length, perplexity_of, scores_of
+from fairprune.metrics.language import LMItems, eval_windows, perplexity_of, scores_of
 
 MAX_HIDDEN_BYTES = 512 * 1024 * 1024
 WINDOW_BATCH = 8  # windows per batch, as measure_lm_items runs window_losses
@@ -35,21 +35,7 @@ LOGIT_ROWS = 64  # positions whose vocabulary-wide logits are made at once
 
 def _windows(sm, ids: torch.Tensor, seqlen: int | None) -> torch.Tensor:
     """The evaluation ids cut into whole windows [windows, seqlen], checked as window_losses checks them."""
-    limit = _context_length(sm.model)
-    seqlen = seqlen or limit
-    if seqlen is None:
-        raise UserError("the model does not state its context length; give a perplexity window (--eval_seqlen)")
-    if seqlen < 2:
-        raise UserError(f"a perplexity window needs at least 2 tokens (one to predict from), got {seqlen}; "
-                        "use --eval_seqlen 2 or more")
-    if limit is not None and seqlen > limit:
-        raise UserError(f"seqlen {seqlen} exceeds the model's context length {limit}; use --seqlen {limit} or less")
-    ids = ids.flatten().long()
-    windows = ids.numel() // seqlen
-    if windows == 0:
-        raise UserError(f"evaluation text has {ids.numel()} tokens, fewer than one window of {seqlen}; "
-                        "give more text or a smaller seqlen")
-    return ids[: windows * seqlen].view(windows, seqlen)
+    return eval_windows(sm.model, ids, seqlen)
 
 
 def _sentence_batches(tokenizer, pairs: list) -> list[dict[str, torch.Tensor]]:

@@ -161,3 +161,38 @@ def dense_figures(model: nn.Module, tokenizer, eval_ids: torch.Tensor, eval_pair
         except OSError as err:  # a read-only cache costs the next run a measurement, not this run its result
             warnings.warn(f"could not write the dense-figures cache {cache_path(key)}: {err}", stacklevel=2)
     return DenseFigures(metrics, False, seconds, items)
+
+
+# -- what the LM commands print and write about their figures (in memory and streamed alike) ------
+def ci_text(report: dict[str, Any], figure: str, spec: str) -> str:
+    """`` [lo, hi]``: the 95 % interval of a report's figure, when it has one."""
+    interval = (report.get("ci") or {}).get(figure)
+    return "" if not interval else f" [{interval[0]:{spec}}, {interval[1]:{spec}}]"
+
+
+def pruned_line(method: str, report: dict[str, Any], output: Any) -> str:
+    """The line a pruning run prints: perplexity and stereotype score before → after, with the
+    pruned model's intervals, the sparsity and where the run was written."""
+    before, after = report["reference"]["metrics"], report["metrics"]
+    cached = " (dense figures from the cache)" if report["reference"]["from_cache"] else ""
+    return (f"[{method}] perplexity {before['perplexity']:.2f} → {after['perplexity']:.2f}{ci_text(report, 'perplexity', '.2f')}, "
+            f"stereotype score {before['stereotype_score']:.3f} → {after['stereotype_score']:.3f}"
+            f"{ci_text(report, 'stereotype_score', '.3f')}, sparsity {report['achieved_sparsity']:.4f} "
+            f"(dense zeros {report['sparsity']['dense_zero_fraction']:.4f}){cached}; written to {output}")
+
+
+def finish_evaluation(report: dict[str, Any], figures: DenseFigures, output: Any, model: str) -> dict[str, Any]:
+    """An ``evaluate`` run's end (main rank): ``eval_items.npz`` and ``report.json`` into ``output``
+    when given, and its line printed."""
+    from pathlib import Path
+
+    if output:
+        Path(output).mkdir(parents=True, exist_ok=True)
+        if figures.items is not None:
+            figures.items.save(output)
+        write_json(Path(output) / "report.json", report)
+    cached = " (from the cache)" if figures.from_cache else ""
+    print(f"[evaluate] {model}: perplexity {report['metrics']['perplexity']:.2f}{ci_text(report, 'perplexity', '.2f')}, "
+          f"stereotype score {report['metrics']['stereotype_score']:.3f}{ci_text(report, 'stereotype_score', '.3f')}, "
+          f"sparsity {report['achieved_sparsity']:.4f}{cached}")
+    return report

@@ -42,11 +42,10 @@ from fairprune.pruning.options import SolverOptions
 from fairprune.pruning.sparsity import Sparsity
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.records import LMRow
-from fairprune.reporting.report import write_json
 from fairprune.reporting.runs import check_result, write_lm_run
 from fairprune.storage.folders import check_free_space
 from fairprune.storage.lock import locked
-from fairprune.workflows.dense import DenseFigures, dense_figures
+from fairprune.workflows.dense import DenseFigures, dense_figures, finish_evaluation, pruned_line
 from fairprune.workflows.launch import torchrun as _torchrun
 from fairprune.workflows.options import LMOptions, MachineOptions
 
@@ -94,21 +93,10 @@ def prune_loaded(model, tokenizer, method: str, sparsity: Sparsity, output: str 
     check_result(model, output, method)  # on every rank (each holds the same model): all stop together
     if distributed.is_main():  # torchrun: every rank holds the same model and figures; one writes
         write_lm_run(output, model, tokenizer, report, config, layers, items, save_format=lm.save_format, nm=sparsity.nm)
-        before, after = report["reference"]["metrics"], report["metrics"]
-        cached = " (dense figures from the cache)" if report["reference"]["from_cache"] else ""
-        print(f"[{method}] perplexity {before['perplexity']:.2f} → {after['perplexity']:.2f}{_ci(report, 'perplexity', '.2f')}, "
-              f"stereotype score {before['stereotype_score']:.3f} → {after['stereotype_score']:.3f}"
-              f"{_ci(report, 'stereotype_score', '.3f')}, sparsity {report['achieved_sparsity']:.4f} "
-              f"(dense zeros {report['sparsity']['dense_zero_fraction']:.4f}){cached}; written to {output}", flush=True)
+        print(pruned_line(method, report, output), flush=True)
         print(f"[{method}] {weights_summary(report['weights'])}", flush=True)
     distributed.barrier()
     return report
-
-
-def _ci(report: dict[str, Any], figure: str, spec: str) -> str:
-    """`` [lo, hi]``: the 95 % interval of a report's figure, when it has one."""
-    interval = (report.get("ci") or {}).get(figure)
-    return "" if not interval else f" [{interval[0]:{spec}}, {interval[1]:{spec}}]"
 
 
 def _config(lm: LMOptions, machine: MachineOptions, **fields: Any) -> dict[str, Any]:
@@ -180,16 +168,7 @@ def evaluate_lm(lm: LMOptions, output: str | None = None, machine: MachineOption
         report["ci"] = lm_intervals(figures.items)
     if not distributed.is_main():
         return report
-    if output:
-        Path(output).mkdir(parents=True, exist_ok=True)
-        if figures.items is not None:
-            figures.items.save(output)
-        write_json(Path(output) / "report.json", report)
-    cached = " (from the cache)" if figures.from_cache else ""
-    print(f"[evaluate] {lm.model}: perplexity {report['metrics']['perplexity']:.2f}{_ci(report, 'perplexity', '.2f')}, "
-          f"stereotype score {report['metrics']['stereotype_score']:.3f}{_ci(report, 'stereotype_score', '.3f')}, "
-          f"sparsity {report['achieved_sparsity']:.4f}{cached}")
-    return report
+    return finish_evaluation(report, figures, output, lm.model)
 
 
 def _cell(method: str, sparsity: Sparsity) -> str:

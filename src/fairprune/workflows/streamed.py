@@ -55,7 +55,7 @@ from fairprune.reporting.runs import RUN_FILES
 from fairprune.storage.atomic import write_csv, write_text
 from fairprune.storage.folders import check_free_space, replace_folder
 from fairprune.workflows import dense as dense_cache
-from fairprune.workflows.dense import DenseFigures
+from fairprune.workflows.dense import DenseFigures, finish_evaluation, pruned_line
 from fairprune.workflows.options import LMOptions, MachineOptions
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -174,11 +174,6 @@ def write_model_files(sm: StreamedModel, out: Path) -> None:
         generation.save_pretrained(out)
 
 
-def _ci(report: dict[str, Any], figure: str, spec: str) -> str:
-    interval = (report.get("ci") or {}).get(figure)
-    return "" if not interval else f" [{interval[0]:{spec}}, {interval[1]:{spec}}]"
-
-
 def prune_lm_streamed(method: str, lm: LMOptions, output: str, sparsity: Sparsity, solver: SolverOptions,
                       machine: MachineOptions, config: dict[str, Any], start: float | None = None) -> dict[str, Any]:
     """The streamed ``prune.py <method>`` run (see the module docstring); ``config`` is written as
@@ -256,12 +251,8 @@ def prune_lm_streamed(method: str, lm: LMOptions, output: str, sparsity: Sparsit
         write_json(out / "report.json", report)
 
     replace_folder(output, write, owned=RUN_FILES)
-    before, after, memory = report["reference"]["metrics"], report["metrics"], report["memory"]
-    cached = " (dense figures from the cache)" if report["reference"]["from_cache"] else ""
-    print(f"[{method}] perplexity {before['perplexity']:.2f} → {after['perplexity']:.2f}{_ci(report, 'perplexity', '.2f')}, "
-          f"stereotype score {before['stereotype_score']:.3f} → {after['stereotype_score']:.3f}"
-          f"{_ci(report, 'stereotype_score', '.3f')}, sparsity {report['achieved_sparsity']:.4f} "
-          f"(dense zeros {report['sparsity']['dense_zero_fraction']:.4f}){cached}; written to {output}", flush=True)
+    memory = report["memory"]
+    print(pruned_line(method, report, output), flush=True)
     print(f"[{method}] streamed in {dtype_name(sm.dtype)}: peak resident memory {megabytes(memory['peak_rss_bytes'])} "
           f"({megabytes(memory['peak_rss_at_start_bytes'])} before loading), largest block "
           f"{megabytes(memory['largest_block_bytes'])} of a {megabytes(memory['model_bytes'])} model", flush=True)
@@ -299,14 +290,5 @@ def evaluate_lm_streamed(lm: LMOptions, output: str | None, machine: MachineOpti
     facts = stream_facts(sm)
     report["memory"] = {"peak_rss_bytes": peak_rss_bytes(), "largest_block_bytes": facts.largest_block_bytes,
                         "largest_part_bytes": facts.largest_part_bytes}
-    if output:
-        Path(output).mkdir(parents=True, exist_ok=True)
-        if figures.items is not None:
-            figures.items.save(output)
-        write_json(Path(output) / "report.json", report)
-    cached = " (from the cache)" if figures.from_cache else ""
-    print(f"[evaluate] {lm.model}: perplexity {report['metrics']['perplexity']:.2f}{_ci(report, 'perplexity', '.2f')}, "
-          f"stereotype score {report['metrics']['stereotype_score']:.3f}{_ci(report, 'stereotype_score', '.3f')}, "
-          f"sparsity {report['achieved_sparsity']:.4f}{cached}")
-    return report
+    return finish_evaluation(report, figures, output, lm.model)
 
