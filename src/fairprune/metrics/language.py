@@ -124,19 +124,23 @@ def sentence_log_likelihoods(
     with _on_device(model, device) as run_device:
         for start in tqdm(range(0, len(encoded), batch_size), desc="sentence pairs", unit="batch", leave=False,
                           disable=not progress or not distributed.is_main()):
-            chunk = encoded[start : start + batch_size]
-            length = max(len(e) for e in chunk)
-            # Right padding: a causal model's real tokens never attend to the pads.
-            ids = torch.zeros(len(chunk), length, dtype=torch.long)
-            keep = torch.zeros(len(chunk), length, dtype=torch.bool)
-            for i, e in enumerate(chunk):
-                ids[i, : len(e)] = torch.tensor(e)
-                keep[i, : len(e)] = True
-            ids, keep = ids.to(run_device), keep.to(run_device)
+            ids, keep = (t.to(run_device) for t in pad_right(encoded[start : start + batch_size]))
             logits = model(input_ids=ids, attention_mask=keep.long(), use_cache=False).logits.double()
             logp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
             scores.append((logp * keep[:, 1:]).sum(-1).cpu())
     return torch.cat(scores)
+
+
+def pad_right(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists as one right-padded batch: ids [n, longest] (pads 0) and the mask of real
+    tokens (bool). Right padding: a causal model's real tokens never attend to the pads."""
+    length = max(len(e) for e in sequences)
+    ids = torch.zeros(len(sequences), length, dtype=torch.long)
+    keep = torch.zeros(len(sequences), length, dtype=torch.bool)
+    for i, e in enumerate(sequences):
+        ids[i, : len(e)] = torch.tensor(e)
+        keep[i, : len(e)] = True
+    return ids, keep
 
 
 STEREOTYPE_KEYS = ("stereotype_score", "stereotype_score_stereo", "stereotype_score_antistereo",

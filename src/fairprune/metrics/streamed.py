@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from fairprune.data.pairs import direction
 from fairprune.data.text import encode_sentence
 from fairprune.errors import UserError
-from fairprune.metrics.language import LMItems, eval_windows, perplexity_of, scores_of
+from fairprune.metrics.language import LMItems, eval_windows, pad_right, perplexity_of, scores_of
 
 MAX_HIDDEN_BYTES = 512 * 1024 * 1024
 WINDOW_BATCH = 8  # windows per batch, as measure_lm_items runs window_losses
@@ -44,13 +44,7 @@ def _sentence_batches(tokenizer, pairs: list) -> list[dict[str, torch.Tensor]]:
     encoded = [encode_sentence(tokenizer, s) for pair in pairs for s in pair]
     calls = []
     for start in range(0, len(encoded), SENTENCE_BATCH):
-        chunk = encoded[start : start + SENTENCE_BATCH]
-        length = max(len(e) for e in chunk)
-        ids = torch.zeros(len(chunk), length, dtype=torch.long)
-        keep = torch.zeros(len(chunk), length, dtype=torch.bool)
-        for i, e in enumerate(chunk):
-            ids[i, : len(e)] = torch.tensor(e)
-            keep[i, : len(e)] = True
+        ids, keep = pad_right(encoded[start : start + SENTENCE_BATCH])
         calls.append({"input_ids": ids, "attention_mask": keep.long()})
     return calls
 
