@@ -159,6 +159,17 @@ RUNS = [(family, "sparsegpt", sparsity) for family in ("gpt2", "llama") for spar
     ("llama", "debias-sparsegpt", "2:4")]
 
 
+def tiny_data() -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]]:
+    """33 calibration windows of 16 tokens, 40 evaluation windows' ids, 12 aligned pairs with a mask."""
+    from tiny_models import VOCAB
+
+    g = torch.Generator().manual_seed(1)
+    calib, eval_ids = torch.randint(0, VOCAB, (33, 16), generator=g), torch.randint(0, VOCAB, (40 * 16,), generator=g)
+    pairs = (torch.randint(0, VOCAB, (12, 10), generator=g), torch.randint(0, VOCAB, (12, 10), generator=g),
+             torch.rand(12, 10, generator=g) > 0.2)
+    return calib, eval_ids, pairs
+
+
 def prune_tiny_models() -> dict[str, dict]:
     """Each of :data:`RUNS` (family, method, sparsity) from 33 calibration windows (in batches of two:
     ragged shares, and each rank's batches differ from one process's unless batches are cut before
@@ -167,12 +178,9 @@ def prune_tiny_models() -> dict[str, dict]:
     from fairprune.metrics.language import perplexity
     from fairprune.pruning.llm import prune_causal_lm
     from fairprune.pruning.sparsity import Sparsity
-    from tiny_models import BUILDERS, VOCAB
+    from tiny_models import BUILDERS
 
-    g = torch.Generator().manual_seed(1)
-    calib, eval_ids = torch.randint(0, VOCAB, (33, 16), generator=g), torch.randint(0, VOCAB, (40 * 16,), generator=g)
-    pairs = (torch.randint(0, VOCAB, (12, 10), generator=g), torch.randint(0, VOCAB, (12, 10), generator=g),
-             torch.rand(12, 10, generator=g) > 0.2)
+    calib, eval_ids, pairs = tiny_data()
     out = {}
     for family, method, sparsity in RUNS:
         torch.manual_seed(0)
@@ -184,29 +192,35 @@ def prune_tiny_models() -> dict[str, dict]:
     return out
 
 
-_PRUNE_WORKER = """
+_WORKER = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 torch.set_num_threads(1)
+import test_torchrun
 from fairprune import distributed
-from test_torchrun import prune_tiny_models
 with distributed.process_group("cpu") as (rank, size):
     assert size == 2
-    out = prune_tiny_models()
+    out = getattr(test_torchrun, sys.argv[3])(*sys.argv[4:])
 if rank == 0:
     torch.save(out, sys.argv[2])
 """
 
 
+def on_two_ranks(tmp_path: Path, function: str, *args: str):
+    """``test_torchrun.<function>(*args)`` run by two gloo ranks under torchrun (one thread each);
+    rank 0's result."""
+    (tmp_path / "worker.py").write_text(_WORKER)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "--monitor_interval",
+           "0.1", str(tmp_path / "worker.py"), str(ROOT / "tests"), str(tmp_path / "two.pt"), function, *args]
+    finish(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return torch.load(tmp_path / "two.pt")
+
+
 def test_two_ranks_prune_tiny_models_bit_for_bit(tmp_path, one_thread):
     """Calibration statistics and perplexity do not depend on the rank count: two gloo ranks under
     torchrun give one process's weights (so masks) and perplexity exactly, not merely close."""
-    (tmp_path / "worker.py").write_text(_PRUNE_WORKER)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-           "--monitor_interval", "0.1", str(tmp_path / "worker.py"), str(ROOT / "tests"), str(tmp_path / "two.pt")]
-    finish(subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    two, one = torch.load(tmp_path / "two.pt"), prune_tiny_models()
+    two, one = on_two_ranks(tmp_path, "prune_tiny_models"), prune_tiny_models()
     assert two.keys() == one.keys() and len(one) == len(RUNS)
     differ = {}
     for run, want in one.items():
@@ -315,3 +329,98 @@ def test_fasp_under_torchrun_matches_one_process(tiny_lm, tmp_path, one_thread):
     finish(torchrun([*fasp, "--output", "C"], tmp_path / "c"))
     assert (c / "head_scores.csv").read_text() == (b / "head_scores.csv").read_text()
     assert report(c)["heads_removed"] == rb["heads_removed"]
+
+
+# --------------------------------------------------------------------------------------------
+# Streamed pruning (--stream true) under torchrun: every rank streams, rank 0 writes
+# --------------------------------------------------------------------------------------------
+
+# Llama (untied head, several shards), GPT-2 (tied head); a plain and a paired statistic.
+STREAMED_RUNS = [("llama", "sparsegpt", "2:4"), ("gpt2", "debias-sparsegpt", "0.5"), ("llama", "wanda", "0.5")]
+
+
+def save_tiny_models(root: Path) -> None:
+    """The families of :data:`STREAMED_RUNS` saved by ``save_pretrained`` into ``root/<family>``."""
+    from tiny_models import BUILDERS
+
+    for family in {family for family, _, _ in STREAMED_RUNS}:
+        torch.manual_seed(0)
+        BUILDERS[family]().save_pretrained(root / family, max_shard_size="100KB")
+
+
+def prune_tiny_models_streamed(root: Path | str, tag: str) -> dict[str, dict]:
+    """Each of :data:`STREAMED_RUNS` streamed from ``root/<family>`` (33 calibration windows in
+    batches of two, 12 aligned pairs), written by rank 0 (or the only process) into
+    ``root/<tag>-<run>``; per run that folder and the per-window NLL of 40 windows measured streamed
+    from it. Collective under a process group, alone otherwise."""
+    from fairprune import distributed
+    from fairprune.hub.shards import ShardWriter
+    from fairprune.metrics.streamed import streamed_window_losses
+    from fairprune.pruning.sparsity import Sparsity
+    from fairprune.pruning.streamed import StreamedModel, prune_streamed
+    from fairprune.workflows.streamed import write_model_files
+
+    calib, eval_ids, pairs = tiny_data()
+    root, out = Path(root), {}
+    for family, method, sparsity in STREAMED_RUNS:
+        sm = StreamedModel(root / family)
+        folder = root / f"{tag}-{family}-{method}-{sparsity.replace(':', 'of')}"
+        writer = ShardWriter(folder, sm.output_tensors(), total_parameters=sm.num_parameters()) if distributed.is_main() else None
+        prune_streamed(sm, method, Sparsity.parse(sparsity), calib_ids=calib, progress=False, writer=writer, batch_size=2,
+                       pairs=pairs if method == "debias-sparsegpt" else None)
+        if writer is not None:
+            writer.close()
+            write_model_files(sm, folder)
+        written = Path(distributed.broadcast_text(str(folder) if writer is not None else None))
+        nll, count = streamed_window_losses(StreamedModel(written), eval_ids, 16)
+        out[f"{family} {method} {sparsity}"] = {"folder": str(written), "nll": nll, "count": count}
+    return out
+
+
+def test_two_ranks_stream_tiny_models_bit_for_bit(tmp_path, one_thread):
+    """Streamed under torchrun, every rank reading the blocks from disk and rank 0 alone writing:
+    the written weights and the streamed per-window NLL equal one process's streamed run exactly
+    (Llama and GPT-2, SparseGPT 2:4, Debias-SparseGPT and Wanda)."""
+    from fairprune.hub.shards import ShardReader
+
+    save_tiny_models(tmp_path)
+    two = on_two_ranks(tmp_path, "prune_tiny_models_streamed", str(tmp_path), "two")
+    one = prune_tiny_models_streamed(tmp_path, "one")
+    assert two.keys() == one.keys() and len(one) == len(STREAMED_RUNS)
+    for run, want in one.items():
+        got_folder, want_folder = Path(two[run]["folder"]), Path(want["folder"])
+        assert got_folder.name.startswith("two-") and got_folder.name[4:] == want_folder.name[4:]
+        got, expected = ShardReader(got_folder), ShardReader(want_folder)
+        assert sorted(got.keys()) == sorted(expected.keys()), run
+        differ = [k for k in expected.keys() if not torch.equal(got.read(k), expected.read(k))]
+        assert not differ, f"{run}: tensors that differ from one process's: {differ}"
+        assert sorted(p.name for p in got_folder.iterdir()) == sorted(p.name for p in want_folder.iterdir())
+        assert torch.equal(two[run]["nll"], want["nll"]) and torch.equal(two[run]["count"], want["count"]), run
+
+
+def test_streamed_cli_under_torchrun_matches_one_process(tiny_lm, tmp_path, one_thread):
+    """``prune.py sparsegpt --stream true`` on two ranks writes, from rank 0 alone, the folder and
+    figures one streamed process writes (bit for bit), and reports each rank's peak memory;
+    ``evaluate --stream true`` on two ranks measures that folder as one process does."""
+    sgpt = ["sparsegpt", "--model", str(tiny_lm["model"]), "--sparsity", "2:4", "--nsamples", "16", "--stream", "true",
+            "--dense_cache", "false", *tiny_lm["lm"]]
+    printed = finish(torchrun([*sgpt, "--output", "A"], tmp_path / "a"))
+    assert prune_main([*sgpt, "--output", str(tmp_path / "b" / "B"), "--quiet"]) == 0
+    a, b = report(tmp_path / "a" / "A"), report(tmp_path / "b" / "B")
+    assert files(tmp_path / "a") == [f"A/{name}" for name in files(tmp_path / "b" / "B")]
+    written = [line for line in printed.splitlines() if "written to" in line]
+    assert len(written) == 1 and written[0].startswith("[default0]:"), printed
+    got, want = weights(tmp_path / "a" / "A"), weights(tmp_path / "b" / "B")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert a["metrics"] == b["metrics"] and a["reference"]["metrics"] == b["reference"]["metrics"]
+    assert a["ci"] == b["ci"] and a["paired"] == b["paired"] and a["achieved_sparsity"] == b["achieved_sparsity"]
+    peaks = a["memory"]["peak_rss_bytes_per_rank"]
+    assert len(peaks) == 2 and all(p > 0 for p in peaks) and a["memory"]["peak_rss_bytes"] == peaks[0]
+    assert "peak_rss_bytes_per_rank" not in b["memory"]
+
+    evaluate = ["evaluate", "--model", str(tmp_path / "b" / "B"), "--stream", "true", "--dense_cache", "false",
+                *tiny_lm["lm"], "--output", "E"]
+    finish(torchrun(evaluate, tmp_path / "e"))
+    assert files(tmp_path / "e") == ["E/eval_items.npz", "E/report.json"]
+    evaluated = report(tmp_path / "e" / "E")
+    assert evaluated["metrics"] == b["metrics"] and evaluated["achieved_sparsity"] == b["achieved_sparsity"]

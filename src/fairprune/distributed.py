@@ -148,6 +148,23 @@ def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:
     return tensor
 
 
+def broadcast_text(text: str | None, src: int = 0) -> str | None:
+    """Rank ``src``'s ``text`` on every rank (a path, a name); ``text`` itself when alone. Sent as
+    UTF-8 bytes in tensors, never pickled."""
+    if world()[1] == 1:
+        return text
+    data = b"" if text is None else text.encode()
+    size = broadcast(torch.tensor([len(data), text is None], dtype=torch.int64), src)
+    if int(size[1]):
+        return None
+    buffer = torch.zeros(int(size[0]), dtype=torch.uint8)
+    if world()[0] == src and data:
+        buffer.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    if len(buffer):
+        broadcast(buffer, src)
+    return bytes(buffer.tolist()).decode()
+
+
 def barrier() -> None:
     """Wait until every rank gets here (nothing when alone)."""
     if world()[1] > 1:

@@ -12,7 +12,9 @@ counts as :func:`~fairprune.metrics.language.window_losses` returns them, per-pa
 :func:`~fairprune.metrics.language.pair_outcomes`, and :func:`measure_streamed` gives
 :func:`~fairprune.metrics.language.measure_lm_items`'s figures and items.
 
-The hidden states of all batches are held at once up to ``max_hidden_bytes`` (default 512 MB);
+Under ``torchrun`` each rank runs its share of the batches (whole batches) and the per-window and
+per-sentence figures, each computed by one rank, are summed across ranks: one process's figures
+exactly. The hidden states of all batches are held at once up to ``max_hidden_bytes`` (default 512 MB);
 a larger evaluation set is measured in chunks of batches, each chunk a pass over the blocks (the
 weights are read once per chunk).
 """
@@ -22,6 +24,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fairprune import distributed
 from fairprune.data.pairs import direction
 from fairprune.data.text import encode_sentence
 from fairprune.errors import UserError
@@ -65,12 +68,16 @@ def _chunks(calls: list[dict[str, torch.Tensor]], hidden_size: int, element: int
 
 @torch.no_grad()
 def _run(sm, calls: list[dict[str, torch.Tensor]], device, budget: int, progress: bool, score) -> None:
-    """Run ``calls`` through the model in chunks that fit ``budget``; ``score(index, hidden, head)``
-    gets each call's final hidden states with the head loaded."""
+    """Run this rank's share of ``calls`` (whole calls; all of them alone) through the model in
+    chunks that fit ``budget``; ``score(index, hidden, head)`` gets each call's final hidden states
+    with the head loaded."""
     hidden_size = int(sm.config.hidden_size)
     element = torch.empty(0, dtype=sm.dtype).element_size()
-    for group in _chunks(calls, hidden_size, element, budget):
-        outputs = sm.forward([calls[i] for i in group], device, progress=progress, desc="measuring")
+    mine = distributed.shard(list(range(len(calls))))
+    chunks = _chunks([calls[i] for i in mine], hidden_size, element, budget)
+    for group in ([mine[j] for j in chunk] for chunk in chunks if chunk):
+        outputs = sm.forward([calls[i] for i in group], device, progress=progress and distributed.is_main(),
+                             desc="measuring")
         with sm.head(device) as head:
             for i, hidden in zip(group, outputs):
                 score(i, hidden, head)
@@ -137,6 +144,8 @@ def _measure(sm, tokenizer, ids, pairs: list, seqlen, device, budget: int, progr
                 scores[start + r] = (logp * keep[r, 1:]).sum().cpu()
 
     _run(sm, calls, device, budget, progress, score)
+    distributed.all_reduce_sum(sums)  # under torchrun each slot is one rank's (the others hold 0): exact
+    distributed.all_reduce_sum(scores)
     outcomes = {}
     if pairs:
         rounded = scores.round(decimals=3)  # the authors' script compares scores to 3 decimals

@@ -25,7 +25,10 @@ streamed measurements, :mod:`fairprune.metrics.streamed`): block 0's inputs capt
 loaded once and run on all batches, the hidden states held between blocks, then the final norm;
 :meth:`StreamedModel.logits` applies the head.
 
-One process only: a streamed run is not sharded under ``torchrun``.
+Under ``torchrun`` every rank streams the model the same way (no rank holds it whole): each
+calibrates on its share of whole batches, the statistics are summed exactly across ranks
+(:class:`~fairprune.distributed.ExactSum`), every rank solves the same layers and takes rank 0's
+solution, so the pruned weights are one process's bit for bit; only the rank given a writer writes.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from fairprune import distributed
 from fairprune.errors import UserError
 from fairprune.families import _get, family_of, linear_weight, set_linear_weight
 from fairprune.hub.checks import nonfinite
@@ -332,13 +336,10 @@ def prune_streamed(
 ) -> dict[str, Any]:
     """:func:`~fairprune.pruning.llm.prune_causal_lm` of a :class:`StreamedModel`, one block
     resident at a time; each pruned block goes to ``writer`` (then every tensor the blocks do
-    not hold, read from the input), which is left for the caller to close. Returns what
+    not hold, read from the input), which is left for the caller to close. Collective under
+    ``torchrun``: every rank calls it, rank 0 alone with a writer. Returns what
     ``prune_causal_lm`` returns, plus ``dense_zero_fraction`` (zeros the prunable layers had
     before) and ``largest_block_bytes``."""
-    from fairprune import distributed
-
-    if distributed.world()[1] > 1:
-        raise UserError("--stream true runs in one process; run it without torchrun")
     start = time.perf_counter()
     entry = registry.get(method, "lm")
     model, family = sm.model, sm.family
@@ -347,11 +348,14 @@ def prune_streamed(
     solve_seconds = 0.0
     batches: list[BlockInput] = []
     if entry.statistic is not None:
-        inputs = [*make_inputs(calib_ids, None, batch_size), *make_inputs(None, pairs, batch_size)]
+        # This rank's share of whole batches, as prune_causal_lm deals them (all of them alone).
+        inputs = [*distributed.shard(make_inputs(calib_ids, None, batch_size)),
+                  *distributed.shard(make_inputs(None, pairs, batch_size))]
         with sm.loaded(*sm.front_modules(), device="cpu"):  # capture_block_inputs moves them to the device
             batches = capture_block_inputs(model, family, inputs, device)
     dense_rows, rows = [], []
-    for index, block in enumerate(tqdm(sm.blocks, desc=method, disable=not progress, unit="block")):
+    for index, block in enumerate(tqdm(sm.blocks, desc=method, disable=not progress or not distributed.is_main(),
+                                       unit="block")):
         with sm.loaded(block, device=device):
             layers = {f"{index}.{name}": layer for name, layer in family.block_linears(block).items()}
             dense_rows += sparsity_table([Target(name, layer) for name, layer in layers.items()])
@@ -363,7 +367,8 @@ def prune_streamed(
                 tick = time.perf_counter()
                 stat = stats.pop(name, None)
                 W = entry.select(linear_weight(layer), None if stat is None else stat.value(), sparsity, **settings)
-                set_linear_weight(layer, W.contiguous())
+                # Every rank solved from the same reduced statistics; rank 0's result makes them identical.
+                set_linear_weight(layer, distributed.broadcast(W.contiguous()))
                 solve_seconds += time.perf_counter() - tick
             if entry.statistic is not None:
                 batches = [replace(b, hidden=_hidden(block(b.hidden, *b.args, **b.kwargs))) for b in batches]

@@ -30,6 +30,7 @@ import json
 import math
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,9 +142,18 @@ def dense_figures(model: nn.Module, tokenizer, eval_ids: torch.Tensor, eval_pair
     """Perplexity and stereotype score of the (dense) ``model``: from the cache when an earlier
     run measured the same weights on the same texts with the same settings, else measured (and
     then cached by rank 0). ``use_cache`` False measures without reading or writing the cache."""
+    key = cache_key(model, tokenizer, eval_ids, eval_pairs, window, eval_tokens, device) if use_cache else None
+    return cached_figures(key, lambda: measure_lm_items(model, tokenizer, eval_ids, eval_pairs, window, device,
+                                                        progress=progress), progress)
+
+
+def cached_figures(key: dict[str, Any] | None, measure: Callable[[], tuple[dict[str, float], LMItems]],
+                   progress: bool = True, how: str = "") -> DenseFigures:
+    """The figures of ``key`` from the cache (rank 0 reads it, every rank gets its answer), else
+    ``measure()`` (collective under torchrun), then cached by rank 0; ``key`` None: measured, not
+    cached. ``how``: what the measuring line adds (``", streamed"``)."""
     start = time.perf_counter()
     talk = progress and distributed.is_main()
-    key = cache_key(model, tokenizer, eval_ids, eval_pairs, window, eval_tokens, device) if use_cache else None
     if key is not None:
         read = _read(key) if distributed.is_main() else None
         found = _agree(None if read is None else read[0])
@@ -152,8 +162,8 @@ def dense_figures(model: nn.Module, tokenizer, eval_ids: torch.Tensor, eval_pair
                 print(f"[dense] figures from the cache ({cache_path(key)})", flush=True)
             return DenseFigures(found, True, time.perf_counter() - start, None if read is None else read[1])
     if talk:
-        print("[dense] measuring the dense model ...", flush=True)
-    metrics, items = measure_lm_items(model, tokenizer, eval_ids, eval_pairs, window, device, progress=progress)
+        print(f"[dense] measuring the dense model{how} ...", flush=True)
+    metrics, items = measure()
     seconds = time.perf_counter() - start
     if key is not None and distributed.is_main():
         try:

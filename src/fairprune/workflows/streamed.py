@@ -13,9 +13,15 @@ converted folder. ``--dtype`` is what blocks are held, run and written in (the s
 float32 inside each layer). The dense figures come from the same cache as the in-memory runs:
 the key hashes the weights as loaded in that dtype, read tensor by tensor.
 
+Under ``torchrun`` every rank streams the same way and shares the work (calibration batches,
+evaluation batches); rank 0 alone writes the output, and the other ranks measure the pruned model
+from the files it wrote (its staging folder, whose path it broadcasts): the output folder must be
+readable by every rank.
+
 ``report.json`` gains ``stream: true`` and ``memory``: the process's peak resident memory
 (``ru_maxrss``) when the work began (after the imports) and at the end, the largest block's
-parameter bytes and the largest part resident at once (a block, the embeddings or the head).
+parameter bytes and the largest part resident at once (a block, the embeddings or the head);
+under ``torchrun`` also ``peak_rss_bytes_per_rank``.
 """
 
 from __future__ import annotations
@@ -26,7 +32,6 @@ import json
 import resource
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +40,7 @@ import torch
 import yaml
 
 import fairprune
+from fairprune import distributed
 from fairprune.data.pairs import direction, lm_texts
 from fairprune.data.text import calibration_ids, encode_sentence, paired_ids
 from fairprune.errors import UserError
@@ -55,7 +61,7 @@ from fairprune.reporting.runs import RUN_FILES
 from fairprune.storage.atomic import write_csv, write_text
 from fairprune.storage.folders import check_free_space, replace_folder
 from fairprune.workflows import dense as dense_cache
-from fairprune.workflows.dense import DenseFigures, finish_evaluation, pruned_line
+from fairprune.workflows.dense import DenseFigures, cached_figures, finish_evaluation, pruned_line
 from fairprune.workflows.options import LMOptions, MachineOptions
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
@@ -91,15 +97,19 @@ def open_streamed(lm: LMOptions) -> StreamedModel:
     return StreamedModel(folder, torch_dtype(lm.dtype), lm.trust_remote_code, source=lm.model)
 
 
+def rank_peaks() -> list[int]:
+    """Every rank's peak resident memory so far, by rank (this process's alone); collective under torchrun."""
+    rank, size = distributed.world()
+    peaks = torch.zeros(size, dtype=torch.float64)
+    peaks[rank] = peak_rss_bytes()
+    return [int(v) for v in distributed.all_reduce_sum(peaks).tolist()]
+
+
 def check_streamable(lm: LMOptions) -> None:
     """Refuse what a streamed run does not do, before any work."""
-    from fairprune import distributed
-
     if lm.save_format != "dense":
         raise UserError(f"--stream true writes the pruned model block by block as plain safetensors; --save_format "
                         f"{lm.save_format} needs the whole model in memory: use --save_format dense with --stream true")
-    if distributed.world()[1] > 1:
-        raise UserError("--stream true runs in one process; run it without torchrun")
 
 
 def streamed_digest(sm: StreamedModel) -> str:
@@ -133,25 +143,9 @@ def streamed_dense_figures(sm: StreamedModel, tokenizer, ids: torch.Tensor, pair
                            eval_tokens: int | None = None, use_cache: bool = True, progress: bool = True) -> DenseFigures:
     """:func:`fairprune.workflows.dense.dense_figures` of a streamed model: the cache entry an
     in-memory run of the same weights wrote, or a streamed measurement (then cached)."""
-    start = time.perf_counter()
     key = streamed_cache_key(sm, tokenizer, ids, pairs, window, eval_tokens, device) if use_cache else None
-    if key is not None:
-        found = dense_cache._read(key)
-        if found is not None:
-            if progress:
-                print(f"[dense] figures from the cache ({dense_cache.cache_path(key)})", flush=True)
-            return DenseFigures(found[0], True, time.perf_counter() - start, found[1])
-    if progress:
-        print("[dense] measuring the dense model, streamed ...", flush=True)
-    metrics, items = measure_streamed(sm, tokenizer, ids, pairs, window, device, progress=progress)
-    seconds = time.perf_counter() - start
-    if key is not None:
-        try:
-            write_json(dense_cache.cache_path(key), {"key": key, "metrics": metrics, "seconds": seconds,
-                                                     "items": items.as_json()})
-        except OSError as err:
-            warnings.warn(f"could not write the dense-figures cache {dense_cache.cache_path(key)}: {err}", stacklevel=2)
-    return DenseFigures(metrics, False, seconds, items)
+    return cached_figures(key, lambda: measure_streamed(sm, tokenizer, ids, pairs, window, device, progress=progress),
+                          progress, how=", streamed")
 
 
 def write_model_files(sm: StreamedModel, out: Path) -> None:
@@ -201,23 +195,32 @@ def prune_lm_streamed(method: str, lm: LMOptions, output: str, sparsity: Sparsit
     facts = stream_facts(sm)
     report: dict[str, Any] = {}
 
-    def write(out: Path) -> None:
+    def write(out: Path | None) -> None:
+        """Prune, write and measure; collective under torchrun: rank 0 writes into ``out`` (the
+        staging folder), the other ranks (``out`` None) calibrate, solve and measure beside it."""
         tick = time.perf_counter()
-        writer = ShardWriter(out, plan, total_parameters=sm.num_parameters())
+        writer = ShardWriter(out, plan, total_parameters=sm.num_parameters()) if out is not None else None
         try:
             result = prune_streamed(sm, method, sparsity, calib, pairs, device, solver.percdamp, solver.blocksize,
                                     writer=writer, progress=talk)
-            files = writer.close()
+            if writer is not None:
+                writer.close()
         finally:
-            writer.abort()
-        write_model_files(sm, out)
-        tokenizer.save_pretrained(out)
+            if writer is not None:
+                writer.abort()
+        if out is not None:
+            write_model_files(sm, out)
+            tokenizer.save_pretrained(out)
         pruned_at = time.perf_counter()
-        if talk:
-            print(f"[{method}] measuring the pruned model, streamed from {len(files)} file(s) ...", flush=True)
-        pruned = StreamedModel(out, sm.dtype, lm.trust_remote_code, source=str(output))
+        folder = Path(distributed.broadcast_text(None if out is None else str(out)))  # rank 0's files, for every rank
+        if talk and distributed.is_main():
+            print(f"[{method}] measuring the pruned model, streamed from the files just written ...", flush=True)
+        pruned = StreamedModel(folder, sm.dtype, lm.trust_remote_code, source=str(output))
         after, items = measure_streamed(pruned, tokenizer, ids, texts.eval_pairs, lm.window, device, progress=talk)
         end = time.perf_counter()
+        peaks = rank_peaks()
+        if out is None:
+            return
         written = weight_file_bytes(out)
         report.update({
             "method": method, "model": lm.model, "family": result["family"], "target_sparsity": result["target_sparsity"],
@@ -235,9 +238,9 @@ def prune_lm_streamed(method: str, lm: LMOptions, output: str, sparsity: Sparsit
             "stream": True,
             "weights": {"save_format": "dense", "dtype": dtype_name(sm.dtype), "format": "dense",
                         "dense_bytes": total_bytes, "file_bytes": written, "ratio": written / total_bytes if total_bytes else None},
-            "memory": {"peak_rss_bytes": peak_rss_bytes(), "peak_rss_at_start_bytes": rss_start,
+            "memory": {"peak_rss_bytes": peaks[0], "peak_rss_at_start_bytes": rss_start,
                        "largest_block_bytes": facts.largest_block_bytes, "largest_part_bytes": facts.largest_part_bytes,
-                       "model_bytes": total_bytes},
+                       "model_bytes": total_bytes, **({"peak_rss_bytes_per_rank": peaks} if len(peaks) > 1 else {})},
         })
         report["ci"] = lm_intervals(items)
         if dense.items is not None:
@@ -250,6 +253,9 @@ def prune_lm_streamed(method: str, lm: LMOptions, output: str, sparsity: Sparsit
         write_model_card(out, report, config)
         write_json(out / "report.json", report)
 
+    if not distributed.is_main():  # torchrun: this rank works beside rank 0, which writes
+        write(None)
+        return report
     replace_folder(output, write, owned=RUN_FILES)
     memory = report["memory"]
     print(pruned_line(method, report, output), flush=True)
@@ -274,6 +280,9 @@ def evaluate_lm_streamed(lm: LMOptions, output: str | None, machine: MachineOpti
     ids = eval_ids(texts.eval_text, tokenizer, lm.eval_tokens)
     figures = streamed_dense_figures(sm, tokenizer, ids, texts.eval_pairs, lm.window, device, eval_tokens=lm.eval_tokens,
                                      use_cache=lm.dense_cache, progress=machine.progress)
+    peaks = rank_peaks()
+    if not distributed.is_main():  # torchrun: rank 0 counts the zeros, reports and writes
+        return {}
     zeros = total = 0
     for block in sm.blocks:  # the prunable layers' zeros, one block read at a time
         with sm.loaded(*sm.family.block_linears(block).values()):
@@ -288,7 +297,8 @@ def evaluate_lm_streamed(lm: LMOptions, output: str | None, machine: MachineOpti
     if figures.items is not None:
         report["ci"] = lm_intervals(figures.items)
     facts = stream_facts(sm)
-    report["memory"] = {"peak_rss_bytes": peak_rss_bytes(), "largest_block_bytes": facts.largest_block_bytes,
-                        "largest_part_bytes": facts.largest_part_bytes}
+    report["memory"] = {"peak_rss_bytes": max(peaks[0], peak_rss_bytes()), "largest_block_bytes": facts.largest_block_bytes,
+                        "largest_part_bytes": facts.largest_part_bytes,
+                        **({"peak_rss_bytes_per_rank": peaks} if len(peaks) > 1 else {})}
     return finish_evaluation(report, figures, output, lm.model)
 
