@@ -306,6 +306,41 @@ def test_calibration_feeds_next_block_the_pruned_outputs():
     assert not torch.allclose(recorded1, before["x1"], atol=1e-3)
 
 
+SHARED = {"llama": [["mlp.gate_proj", "mlp.up_proj"], ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]],
+          "opt": [["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]],
+          "gpt_neo": [["attn.attention.q_proj", "attn.attention.k_proj", "attn.attention.v_proj"]], "gpt2": []}
+
+
+@pytest.mark.parametrize("model_type", sorted(SHARED))
+def test_layers_reading_one_input_share_one_statistic(model_type):
+    """Layers fed the very same tensor (q, k, v; gate and up) share one statistic object, and its
+    value is what each layer's own statistic holds when nothing is shared, for the Hessian, the
+    paired Hessian (plain and paired batches) and Wanda's norms."""
+    from fairprune.pruning.calibration import _collect, capture_block_inputs
+
+    model = build(model_type)
+    family = family_of(model)
+    g = torch.Generator().manual_seed(2)
+    pairs = (torch.randint(0, VOCAB, (3, 10), generator=g), torch.randint(0, VOCAB, (3, 10), generator=g))
+    batches = capture_block_inputs(model, family, make_inputs(calib(5, 12), pairs, batch_size=2), "cpu")
+    block = family.block_list(model)[0]
+    layers = family.block_linears(block)
+    for make in (Hessian, PairedHessian, InputNorms):
+        together = {name: make(linear_weight(layer).shape[1]) for name, layer in layers.items()}
+        apart = {name: make(linear_weight(layer).shape[1]) for name, layer in layers.items()}
+        plain = [b for b in batches if not b.source.paired] if make is not PairedHessian else batches
+        with torch.no_grad():
+            _collect(block, layers, together, plain)
+            _collect(block, layers, apart, plain, share=False)
+        groups: dict[int, list[str]] = {}
+        for name in layers:
+            groups.setdefault(id(together[name]), []).append(name)
+        assert sorted(sorted(g) for g in groups.values() if len(g) > 1) == sorted(sorted(g) for g in SHARED[model_type])
+        assert len({id(stat) for stat in apart.values()}) == len(layers)
+        for name in layers:
+            assert torch.equal(together[name].value(), apart[name].value()), (make.__name__, name)
+
+
 # --------------------------------------------------------------------------------------------
 # Every family end to end
 # --------------------------------------------------------------------------------------------

@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from fairprune import distributed
 from fairprune.families import Family
 
 
@@ -135,13 +136,33 @@ def run_layerwise(
     model.train(was_training)
 
 
-def _collect(block: nn.Module, layers: dict, stats: dict, batches: list[BlockInput]) -> None:
-    """Run every batch through ``block`` with hooks feeding each layer's input to its statistic."""
-    current: list[CalibInput] = []
+def _collect(block: nn.Module, layers: dict, stats: dict, batches: list[BlockInput], share: bool = True) -> None:
+    """Run every batch through ``block`` with hooks feeding each layer's input to its statistic.
 
-    def hook_for(stat):
+    Layers that read the very same input tensor (a Llama block's q, k and v projections; its gate
+    and up projections) share one statistic: theirs would be the same sum of the same terms, so
+    each gets exactly what its own would hold, accumulated and held once (for a 7B Llama block,
+    four float64 Hessians of 134 MB fewer). ``stats`` is updated in place so that such layers map
+    to one object. Which layers share is seen on the first batch, checked on every later one, and
+    agreed across ranks (a rank whose share of batches is empty takes the others' answer), so every
+    rank reduces the same statistics. ``share`` False keeps one statistic per layer."""
+    current: list[CalibInput] = []
+    names = list(layers)
+    partner: dict[str, int] = {}  # layer -> 1 + the index of the layer whose statistic it shares (0: its own)
+    fed: dict[int, tuple[torch.Tensor, int]] = {}  # this batch: id(input) -> (input, index of its first reader)
+
+    def hook_for(index: int, name: str):
         def hook(layer, args, output):
-            x, source = args[0].detach(), current[0]
+            x = args[0]
+            seen = fed.get(id(x))
+            first = seen[1] + 1 if share and seen is not None and seen[0] is x else 0
+            if partner.setdefault(name, first) != first:
+                raise RuntimeError(f"calibration: layer {name} read another layer's input on one batch and not on another")
+            if first:
+                return
+            fed[id(x)] = (x, index)
+            stat, source = stats[name], current[0]
+            x = x.detach()
             if source.paired:
                 x0, x1 = x.chunk(2)
                 stat.add_pair(x0, x1, source.mask)
@@ -150,14 +171,31 @@ def _collect(block: nn.Module, layers: dict, stats: dict, batches: list[BlockInp
 
         return hook
 
-    handles = [layer.register_forward_hook(hook_for(stats[name])) for name, layer in layers.items()]
+    handles = [layer.register_forward_hook(hook_for(i, name)) for i, (name, layer) in enumerate(layers.items())]
     try:
         for b in batches:
             current[:] = [b.source]
+            fed.clear()
             block(b.hidden, *b.args, **b.kwargs)
     finally:
+        fed.clear()
         for handle in handles:
             handle.remove()
+    for name, first in zip(names, _agree_partners([partner.get(name, 0) for name in names], bool(partner))):
+        if first:
+            stats[name] = stats[names[first - 1]]
+
+
+def _agree_partners(partners: list[int], seen: bool) -> list[int]:
+    """Every rank's sharing of statistics, from the ranks that saw a batch (``seen``): they all saw
+    the same block, so they agree; alone, ``partners`` as they are."""
+    if distributed.world()[1] == 1:
+        return partners
+    shared = torch.tensor([int(seen), *partners], dtype=torch.float64) if seen else torch.zeros(1 + len(partners),
+                                                                                               dtype=torch.float64)
+    distributed.all_reduce_sum(shared)
+    ranks = int(shared[0])
+    return [int(v) // ranks for v in shared[1:].tolist()] if ranks else partners
 
 
 def _hidden(output) -> torch.Tensor:
