@@ -57,6 +57,7 @@ bench: $(STAMP)
 	$(PY) bench/fasp_scoring.py
 	$(PY) bench/diff_pruning.py
 	$(PY) bench/deploy.py
+	$(PY) bench/shared_statistics.py
 
 clean:
 	rm -rf runs .cache

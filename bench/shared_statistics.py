@@ -1,6 +1,7 @@
 """Benchmark: calibration statistics shared by the layers that read one input, against one per layer.
 
-Run: ``.venv/bin/python bench/shared_statistics.py [--hidden 1024 --intermediate 2816 --nsamples 16 --seqlen 256]``.
+Run: ``.venv/bin/python bench/shared_statistics.py [--hidden 1024 --intermediate 2816 --nsamples 16 --seqlen 256]``
+(``--hidden 576 --intermediate 1536 --out bench/results/shared_statistics_smollm2`` for SmolLM2-135M's block shape).
 
 SparseGPT, Debias-SparseGPT and Wanda accumulate a statistic of each prunable layer's input over
 the calibration batches (:func:`fairprune.pruning.calibration._collect`). In a Llama-shaped block
@@ -54,6 +55,7 @@ def main() -> None:
     parser.add_argument("--seqlen", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=int(os.environ.get("BENCH_THREADS", "1")))
+    parser.add_argument("--out", default=str(OUT))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -91,9 +93,10 @@ def main() -> None:
         }
         print(f"[bench] {make.__name__}: {median['per layer']:.2f} s per layer → {median['shared']:.2f} s shared, "
               f"identical {identical}", flush=True)
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
-    OUT.with_suffix(".md").write_text(markdown(result))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(result))
     print(markdown(result))
 
 
@@ -102,7 +105,7 @@ def markdown(r: dict) -> str:
     lines = [f"# Shared calibration statistics: one Llama block (hidden {s['hidden']}, intermediate {s['intermediate']})",
              "", f"`python bench/shared_statistics.py`: {s['nsamples']} × {s['seqlen']} calibration tokens, batches of one, "
              f"float32, {s['threads']} thread(s), median of {s['repeats']} timings taken in turns.", "",
-             "| statistic | seconds per layer | seconds shared | speed-up | MB per layer | MB shared | statistics | identical |",
+             "| statistic | seconds, one per layer | seconds, shared | speed-up | MB, one per layer | MB, shared | statistics | identical |",
              "|---|---|---|---|---|---|---|---|"]
     for name, v in r["statistics"].items():
         lines.append(f"| {name} | {v['seconds']['per layer']:.2f} | {v['seconds']['shared']:.2f} | {v['speedup']:.2f}× | "
