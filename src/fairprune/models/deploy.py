@@ -237,6 +237,7 @@ def deploy_side_by_side(models: Mapping[str, nn.Module], input_shape: Sequence[i
                 timings[str(batch)] = len(seconds)
     facts = {**asdict(settings), "batch_sizes": list(settings.batch_sizes), "timings": timings, "threads": threads,
              "input_shape": list(input_shape), "exporter": "dynamo" if settings.dynamo else "torchscript",
+             "ort_spinning": False,
              "onnxruntime": _ort_version() if settings.onnx else None, "torch": torch.__version__,
              "seconds": time.perf_counter() - start}
     return {**figures, "settings": facts}

@@ -81,13 +81,19 @@ def export_onnx(model: nn.Module, path: str | Path, input_shape: Sequence[int], 
 
 def ort_session(path: str | Path, threads: int) -> Any:
     """An ONNX Runtime CPU session on ``path`` running each operator on ``threads`` threads
-    (``intra_op_num_threads``) and one operator at a time (sequential execution, one inter-op thread)."""
+    (``intra_op_num_threads``) and one operator at a time (sequential execution, one inter-op thread).
+
+    Its worker threads sleep when a run ends instead of spin-waiting for the next one (ONNX
+    Runtime's default): a spinning pool keeps the cores busy for a while after each run, so
+    whatever is timed next on the machine (PyTorch's run of the same network, in the deploy
+    figures) is slowed by it — twice as slow on the demo networks on 2 cores."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = int(threads)
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
     options.log_severity_level = 3  # errors only
     try:
         return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
