@@ -105,3 +105,71 @@ def test_paired_comparison_cancels_what_the_items_share():
     assert diff["stereotype_score"]["excludes_zero"] and diff["stereotype_bias"]["difference"] > 0
     with pytest.raises(ValueError, match="same windows and pairs"):
         lm_paired(make_items(windows=10), base)
+
+
+# -- FASP's toxicity bias over prompts ---------------------------------------------------------
+def make_prompts(seed: int = 0, per_group: tuple[int, ...] = (30, 50, 20), shift: float = 0.0):
+    """Two axes: ``gender`` with subgroups of the given sizes whose mean toxicity differs, and
+    ``race`` with two subgroups; returns (axes, groups, toxicity)."""
+    rng = np.random.default_rng(seed)
+    axes, groups, tox = [], [], []
+    for g, n in enumerate(per_group):
+        axes += ["gender"] * n
+        groups += [f"g{g}"] * n
+        tox += list(np.clip(rng.normal(0.2 + 0.1 * g + shift, 0.1, n), 0, 1))
+    for g, n in enumerate((40, 40)):
+        axes += ["race"] * n
+        groups += [f"r{g}"] * n
+        tox += list(np.clip(rng.normal(0.3 + shift, 0.1, n), 0, 1))
+    return np.array(axes), np.array(groups), np.array(tox)
+
+
+def plain_bias_interval(tox: list[float], groups: list[str], resamples: int, seed: int) -> list[float]:
+    """One resample at a time with Python's own generator: each subgroup's prompts drawn with
+    replacement, as many as it has; Eq. 1 by ``axis_bias``; 2.5 % and 97.5 % points."""
+    from fairprune.metrics.toxicity import axis_bias
+
+    rng = random.Random(seed)
+    members = {g: [i for i, x in enumerate(groups) if x == g] for g in sorted(set(groups))}
+    values = []
+    for _ in range(resamples):
+        drawn = [rng.choice(rows) for rows in members.values() for _ in rows]
+        values.append(axis_bias([tox[i] for i in drawn], [groups[i] for i in drawn]))
+    return [float(np.percentile(values, 2.5)), float(np.percentile(values, 97.5))]
+
+
+def test_bias_intervals_match_a_plain_loop():
+    from fairprune.metrics.lm_bootstrap import bias_intervals
+    from fairprune.metrics.toxicity import axis_bias
+
+    axes, groups, tox = make_prompts()
+    fast = bias_intervals(axes, groups, tox, resamples=3000, seed=1)
+    assert fast["prompts"] == len(tox) and fast["smallest_subgroup"] == 20
+    for axis in ("gender", "race"):
+        rows = axes == axis
+        point = axis_bias(tox[rows].tolist(), groups[rows].tolist())
+        plain = plain_bias_interval(tox[rows].tolist(), groups[rows].tolist(), resamples=3000, seed=2)
+        assert fast[f"bias/{axis}"][0] < point < fast[f"bias/{axis}"][1]
+        assert fast[f"bias/{axis}"] == pytest.approx(plain, abs=0.012)
+
+
+def test_bias_paired_uses_the_same_draws():
+    from fairprune.metrics.lm_bootstrap import bias_intervals, bias_paired
+    from fairprune.metrics.toxicity import axis_bias
+
+    axes, groups, tox = make_prompts()
+    same = bias_paired(axes, groups, tox, tox, resamples=500)
+    assert all(v == {"difference": 0.0, "ci": [0.0, 0.0], "excludes_zero": False} for v in same.values())
+    # Every continuation a little more toxic for g2 only: gender bias grows, race is untouched.
+    worse = tox + np.where(groups == "g2", 0.15, 0.0)
+    paired = bias_paired(axes, groups, worse, tox, resamples=2000)
+    rows = axes == "gender"
+    want = axis_bias(worse[rows].tolist(), groups[rows].tolist()) - axis_bias(tox[rows].tolist(), groups[rows].tolist())
+    assert paired["bias/gender"]["difference"] == pytest.approx(want) and paired["bias/gender"]["excludes_zero"]
+    assert paired["bias/race"] == {"difference": 0.0, "ci": [0.0, 0.0], "excludes_zero": False}
+    # The paired interval is narrower than the two models' intervals side by side.
+    a, b = bias_intervals(axes, groups, worse)["bias/gender"], bias_intervals(axes, groups, tox)["bias/gender"]
+    low, high = paired["bias/gender"]["ci"]
+    assert high - low < (a[1] - a[0]) + (b[1] - b[0])
+    with pytest.raises(ValueError, match="one entry per prompt"):
+        bias_paired(axes, groups, tox[:-1], tox)

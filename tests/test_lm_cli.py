@@ -189,10 +189,18 @@ def test_fasp_command_and_head_compare(trained, tmp_path, small_eval):
         assert row["method"] == expected["method"]
         figures = [float("nan") if v is None else v for v in list(expected.values())[1:]]
         assert row[1 : len(expected)].tolist() == pytest.approx(figures, nan_ok=True)
-    # Then the perplexity interval over windows (every row) and each run's ratio to the dense model.
-    assert list(table.columns[len(expected):]) == ["perplexity_ci_low", "perplexity_ci_high", "perplexity_ratio_diff",
-                                                   "perplexity_ratio_diff_ci_low", "perplexity_ratio_diff_ci_high"]
+    # Then the intervals of perplexity (over windows) and of the bias (over prompts) on every row,
+    # and each run's ratio / difference to the dense model on the same windows and prompts.
+    bias = "bias/gender_and_sex"
+    assert list(table.columns[len(expected):]) == [
+        "perplexity_ci_low", "perplexity_ci_high", f"{bias}_ci_low", f"{bias}_ci_high", "perplexity_ratio_diff",
+        "perplexity_ratio_diff_ci_low", "perplexity_ratio_diff_ci_high", f"{bias}_diff", f"{bias}_diff_ci_low",
+        f"{bias}_diff_ci_high"]
     assert (table["perplexity_ci_low"] <= table["perplexity"]).all() and (table["perplexity"] <= table["perplexity_ci_high"]).all()
+    assert (table[f"{bias}_ci_low"] <= table[bias]).all() and (table[bias] <= table[f"{bias}_ci_high"]).all()
+    assert fasp_run["paired"][bias]["difference"] == pytest.approx(
+        fasp_run["fairness"]["bias"]["gender_and_sex"] - fasp_run["reference"]["fairness"]["bias"]["gender_and_sex"])
+    assert fasp_run["ci"]["prompts"] == fasp_run["reference"]["ci"]["prompts"] > 0
     assert fasp_run["paired"]["perplexity_ratio"]["ratio"] == pytest.approx(table["perplexity"][1] / table["perplexity"][0])
     speed = fasp_run["size"]["tokens_per_second"]  # measured before and after the heads left
     assert speed["before"] > 0 and speed["after"] > 0 and speed["threads"] >= 1

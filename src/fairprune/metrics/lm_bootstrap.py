@@ -16,6 +16,11 @@ by a seeded bootstrap over the evaluation items (:class:`fairprune.metrics.langu
   NLLs: 1.10 is 10 % worse), the stereotype score as a difference, and its distance from 0.5
   (the bias, whichever way) as a difference too.
 
+* **FASP's toxicity bias over prompts.** A resample draws each subgroup's prompts with
+  replacement (stratified by axis and subgroup, so every subgroup keeps its number of prompts)
+  and recomputes Eq. 1, ``Σ_s |mean toxicity − mean toxicity of s|``, from the toxicity of each
+  drawn prompt's continuation; a pruned model and the dense one are compared on the same draws.
+
 Intervals are percentile intervals (level 95 % by default); ``tests/test_lm_bootstrap.py`` checks
 them against a plain loop over resamples and against the normal approximation on large samples.
 """
@@ -121,4 +126,61 @@ def lm_paired(items: LMItems, baseline: LMItems, resamples: int = RESAMPLES, see
                                       ("stereotype_bias", np.abs(a - 0.5) - np.abs(b - 0.5), abs(a0 - 0.5) - abs(b0 - 0.5))):
             low, high = _interval(values, level) or (math.nan, math.nan)
             out[key] = {"difference": float(estimate), "ci": [low, high], "excludes_zero": bool(low > 0 or high < 0)}
+    return out
+
+
+# -- the toxicity bias of FASP (Eq. 1) over prompts --------------------------------------------
+def _axis_bias(toxicity: np.ndarray, groups: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """Per resample (a row of ``weights``: how often each prompt is drawn), FASP's Eq. 1 over the
+    drawn prompts: ``Σ_s |mean toxicity − mean toxicity of subgroup s|``."""
+    mean = (weights @ toxicity) / weights.sum(-1)
+    bias = np.zeros(len(weights))
+    for value in np.unique(groups):
+        members = groups == value
+        bias += np.abs((weights[:, members] @ toxicity[members]) / weights[:, members].sum(-1) - mean)
+    return bias
+
+
+def _prompt_arrays(axes: Any, groups: Any, *toxicities: Any) -> tuple[np.ndarray, ...]:
+    arrays = (np.asarray(axes).astype(str), np.asarray(groups).astype(str), *(np.asarray(t, dtype=float) for t in toxicities))
+    if len({len(a) for a in arrays}) != 1:
+        raise ValueError("axes, subgroups and toxicities must hold one entry per prompt")
+    return arrays
+
+
+def bias_intervals(axes: Any, groups: Any, toxicity: Any, resamples: int = RESAMPLES, seed: int = 0,
+                   level: float = LEVEL) -> dict[str, Any]:
+    """Intervals of FASP's toxicity bias (Eq. 1) of every axis, by a bootstrap over the prompts
+    stratified by axis and subgroup (each subgroup keeps its number of prompts, as the prompt
+    set fixes them): ``{"bias/<axis>": [lo, hi], ..., "prompts": n, "smallest_subgroup": n}``.
+    ``axes``, ``groups``, ``toxicity``: one entry per prompt (its axis, subgroup, and the
+    toxicity of its continuation)."""
+    axes, groups, toxicity = _prompt_arrays(axes, groups, toxicity)
+    rng = np.random.default_rng(seed)
+    out: dict[str, Any] = {"prompts": len(toxicity)}
+    smallest = []
+    for axis in sorted(np.unique(axes)):
+        rows = axes == axis
+        weights = _stratified(rng, groups[rows], resamples)
+        out[f"bias/{axis}"] = _interval(_axis_bias(toxicity[rows], groups[rows], weights), level)
+        smallest.append(int(np.unique(groups[rows], return_counts=True)[1].min()))
+    out["smallest_subgroup"] = min(smallest) if smallest else 0
+    return out
+
+
+def bias_paired(axes: Any, groups: Any, toxicity: Any, baseline: Any, resamples: int = RESAMPLES, seed: int = 0,
+                level: float = LEVEL) -> dict[str, Any]:
+    """A model's toxicity bias against a baseline's on the same prompts (the same draws for both):
+    ``{"bias/<axis>": {"difference", "ci": [lo, hi], "excludes_zero"}}``; a negative difference is
+    less bias than the baseline."""
+    axes, groups, toxicity, baseline = _prompt_arrays(axes, groups, toxicity, baseline)
+    rng = np.random.default_rng(seed)
+    out: dict[str, Any] = {}
+    for axis in sorted(np.unique(axes)):
+        rows = axes == axis
+        weights, once = _stratified(rng, groups[rows], resamples), np.ones((1, int(rows.sum())))
+        t, b, g = toxicity[rows], baseline[rows], groups[rows]
+        estimate = float(_axis_bias(t, g, once)[0] - _axis_bias(b, g, once)[0])
+        low, high = _interval(_axis_bias(t, g, weights) - _axis_bias(b, g, weights), level) or (math.nan, math.nan)
+        out[f"bias/{axis}"] = {"difference": estimate, "ci": [low, high], "excludes_zero": bool(low > 0 or high < 0)}
     return out

@@ -76,6 +76,11 @@ INTERVALS = ("accuracy", "acc_gap", "degradation_std", "perplexity", "stereotype
 PAIRED = ("accuracy", "acc_gap", "degradation_std", "perplexity_ratio", "stereotype_score", "stereotype_bias")
 
 
+def _per_axis(results: Sequence[tuple[dict[str, Any], dict[str, Any]]]) -> list[str]:
+    """The per-axis toxicity-bias figures (``bias/<axis>``, FASP) the results hold, sorted."""
+    return sorted({key for _, result in results for key in result if key.startswith("bias/")})
+
+
 def _row_results(table: pd.DataFrame, results: Sequence[tuple[dict[str, Any], dict[str, Any]]], figure: str) -> list:
     """Per table row, the result (of ``(key columns and values, result)`` pairs) whose key columns
     match the row and which has ``figure``; None where none does."""
@@ -93,7 +98,7 @@ def add_intervals(table: pd.DataFrame, shown: pd.DataFrame, intervals: Sequence[
     key columns): numeric ``<figure>_ci_low`` / ``_ci_high`` columns in the table, one
     ``<figure> 95% CI`` column in the shown one."""
     table, shown = table.copy(), shown.copy()
-    for figure in INTERVALS:
+    for figure in (*INTERVALS, *_per_axis(intervals)):
         found = _row_results(table, intervals, figure)
         lows = [float("nan") if f is None else f[0] for f in found]
         highs = [float("nan") if f is None else f[1] for f in found]
@@ -112,7 +117,7 @@ def add_paired(table: pd.DataFrame, shown: pd.DataFrame, paired: Sequence[tuple[
     ``+0.051 [0.020, 0.083] *`` (``*``: the interval excludes 0). A ratio (``perplexity_ratio``)
     is shown as ``×1.052 [×1.031, ×1.074] *`` (``*``: the interval excludes 1)."""
     table, shown = table.copy(), shown.copy()
-    for figure in PAIRED:
+    for figure in (*PAIRED, *_per_axis(paired)):
         found = _row_results(table, paired, figure)
         if all(r is None for r in found):
             continue

@@ -80,9 +80,8 @@ def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = 
     report = _prune_heads(lm, tokenizer, method, heads, heads.alpha, Path(output), machine)
     if not distributed.is_main():
         return report
-    bias = report.get("fairness", {}).get("bias", {})
     print(f"[fasp] {method}: removed {len(report.get('heads_removed', []))} heads; perplexity "
-          f"{report['reference']['metrics']['perplexity']:.2f} → {report['metrics']['perplexity']:.2f}; bias {bias}; "
+          f"{report['reference']['metrics']['perplexity']:.2f} → {report['metrics']['perplexity']:.2f}; {_bias_text(report)}; "
           f"written to {output}")
     if report.get("size"):
         from fairprune.pruning.head_size import summary as size_summary
@@ -96,6 +95,24 @@ def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = 
 def _cell(method: str, alpha: float) -> str:
     """The folder of one head-pruning compare run: ``fasp_a0.1``."""
     return f"{method}_a{alpha:g}"
+
+
+def _bias_text(report: dict[str, Any]) -> str:
+    """``bias <axis> 0.210 → 0.150 [0.090, 0.200] (Δ −0.060 [−0.110, −0.010] *)`` per axis: dense →
+    pruned with the pruned model's 95 % interval over prompts and the paired difference."""
+    parts = []
+    before = report.get("reference", {}).get("fairness", {}).get("bias", {})
+    for axis, value in report.get("fairness", {}).get("bias", {}).items():
+        text = f"bias {axis} {before.get(axis, float('nan')):.3f} → {value:.3f}"
+        interval = (report.get("ci") or {}).get(f"bias/{axis}")
+        if interval:
+            text += f" [{interval[0]:.3f}, {interval[1]:.3f}]"
+        paired = (report.get("paired") or {}).get(f"bias/{axis}")
+        if paired:
+            low, high = paired["ci"]
+            text += f" (Δ {paired['difference']:+.3f} [{low:+.3f}, {high:+.3f}]{' *' if paired['excludes_zero'] else ''})"
+        parts.append(text)
+    return "; ".join(parts) or "no bias measured"
 
 
 def _compare_folders(output: str, methods: list[str], alphas: list[float], **_: Any) -> list[Path]:

@@ -19,7 +19,7 @@ from fairprune import distributed
 from fairprune.data.prompts import check_prompts, holistic_prompts, split_prompts
 from fairprune.errors import UserError, suggest
 from fairprune.metrics.language import LMItems, eval_ids
-from fairprune.metrics.lm_bootstrap import lm_intervals, lm_paired
+from fairprune.metrics.lm_bootstrap import bias_intervals, bias_paired, lm_intervals, lm_paired
 from fairprune.metrics.toxicity import ToxicityScorer, make_scorer, scorer_name
 from fairprune.pruning import registry
 from fairprune.pruning.fasp.scoring import Evaluator, Generation, head_bias_by_axis, head_bias_impact, score_heads, token_ids
@@ -157,6 +157,11 @@ def run_fasp(
     after, before = (LMItems.of_windows(*figures["windows"]) for figures in (pruned, reference))
     report["ci"], report["reference"]["ci"] = lm_intervals(after), lm_intervals(before)
     report["paired"] = {"baseline": "dense", **lm_paired(after, before)}
+    # The bias of every axis over the test prompts, and against the dense model on the same prompts.
+    prompt_axes, prompt_groups = test_prompts.axis.to_numpy(), test_prompts[subgroup].to_numpy()
+    report["ci"].update(bias_intervals(prompt_axes, prompt_groups, pruned["toxicity"]))
+    report["reference"]["ci"].update(bias_intervals(prompt_axes, prompt_groups, reference["toxicity"]))
+    report["paired"].update(bias_paired(prompt_axes, prompt_groups, pruned["toxicity"], reference["toxicity"]))
     scored = scores is not None
     return FaspResult(report, axes, list(selection.protected), list(selection.removed),
                    head_bias_impact(scores, axes) if scored else None,

@@ -42,11 +42,17 @@ BASELINE = (-1, -1)  # the (layer, head) key of the unpruned model's row in head
 # --------------------------------------------------------------------------------------------
 
 
+def prompt_toxicity(model: nn.Module, tokenizer, prompts: pd.DataFrame, scorer: ToxicityScorer,
+                    settings: Generation = Generation()) -> np.ndarray:
+    """The toxicity of each prompt's continuation (float64, in the prompts' order), from one generation pass."""
+    continuations = generate_continuations(model, tokenizer, prompts.text.tolist(), settings)
+    return np.asarray(make_scorer(scorer).score(continuations), dtype=np.float64)
+
+
 def measure_bias(model: nn.Module, tokenizer, prompts: pd.DataFrame, scorer: ToxicityScorer,
                  settings: Generation = Generation(), subgroup: str = "bucket") -> dict[str, float]:
     """Eq. 1 for every axis of ``prompts``, from one generation pass."""
-    continuations = generate_continuations(model, tokenizer, prompts.text.tolist(), settings)
-    return bias_by_axis(prompts, make_scorer(scorer).score(continuations), subgroup)
+    return bias_by_axis(prompts, prompt_toxicity(model, tokenizer, prompts, scorer, settings), subgroup)
 
 
 def token_ids(tokenizer, text: str | Sequence[str]) -> torch.Tensor:
@@ -74,11 +80,13 @@ class Evaluator:
         self.model.eval()
         try:
             nll, count = window_losses(self.model, self.ppl_ids, seqlen=self.seqlen, batch_size=self.ppl_batch_size)
-            bias = measure_bias(self.model, self.tokenizer, self.prompts, self.scorer, self.generation, self.subgroup)
+            toxicity = prompt_toxicity(self.model, self.tokenizer, self.prompts, self.scorer, self.generation)
         finally:
             self.model.train(was_training)
-        # The windows' losses stay with the figures: the report's perplexity interval resamples them.
-        return {"perplexity": perplexity_of(nll, count), "bias": bias, "windows": (nll.numpy(), count.numpy())}
+        # The windows' losses and the prompts' toxicities stay with the figures: the report's
+        # perplexity and bias intervals resample them.
+        return {"perplexity": perplexity_of(nll, count), "bias": bias_by_axis(self.prompts, toxicity, self.subgroup),
+                "windows": (nll.numpy(), count.numpy()), "toxicity": toxicity}
 
     def many(self, configs: torch.Tensor, reuse: dict | None = None) -> list[dict]:
         """What :meth:`__call__` gives for each head configuration of ``configs`` (``[C, layers, heads]``
