@@ -201,6 +201,10 @@ def test_fasp_command_and_head_compare(trained, tmp_path, small_eval):
     assert fasp_run["paired"][bias]["difference"] == pytest.approx(
         fasp_run["fairness"]["bias"]["gender_and_sex"] - fasp_run["reference"]["fairness"]["bias"]["gender_and_sex"])
     assert fasp_run["ci"]["prompts"] == fasp_run["reference"]["ci"]["prompts"] > 0
+    card = (table_out / "fasp_a0.25" / "README.md").read_text()
+    row = next(line for line in card.splitlines() if line.startswith("| bias (gender_and_sex)"))
+    low, high = fasp_run["ci"][bias]
+    assert f"{low:.4f}–{high:.4f}" in row, row
     assert fasp_run["paired"]["perplexity_ratio"]["ratio"] == pytest.approx(table["perplexity"][1] / table["perplexity"][0])
     speed = fasp_run["size"]["tokens_per_second"]  # measured before and after the heads left
     assert speed["before"] > 0 and speed["after"] > 0 and speed["threads"] >= 1

@@ -262,7 +262,9 @@ def _lm_body(report: Mapping[str, Any], kind: str) -> list[str]:
     intervals = _intervals(report)
     rows = [[key.replace("_", " "), _cell(ref_metrics, key), _cell(metrics, key, intervals), _change(ref_metrics, metrics, key)]
             for key in dict.fromkeys([*ref_metrics, *metrics])]
-    rows += [[f"bias ({axis})", _cell(ref_bias, axis), _cell(bias, axis, (_mapping(intervals[0].get("bias")), intervals[1])),
+    bias_intervals = {**_mapping(intervals[0].get("bias")),  # ``ci["bias/<axis>"]`` (FASP), or nested
+                      **{key[len("bias/"):]: value for key, value in _mapping(intervals[0]).items() if key.startswith("bias/")}}
+    rows += [[f"bias ({axis})", _cell(ref_bias, axis), _cell(bias, axis, (bias_intervals, intervals[1])),
               _change(ref_bias, bias, axis)]
              for axis in dict.fromkeys([*ref_bias, *bias])]
     sparsity = _mapping(report.get("sparsity"))

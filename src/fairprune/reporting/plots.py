@@ -273,7 +273,9 @@ def quality_bias_figure(table: pd.DataFrame, index: str = "method"):
         if axes:
             y = sum(pd.to_numeric(table[c], errors="coerce") for c in axes)
             names = [c[5:-5] if c.endswith("_mean") else c[5:] for c in axes]
-            ylabel, ci_name = f"summed bias ({' + '.join(names)})", "bias"
+            # One axis: its interval over prompts; a sum of axes has none (the sum's is not the sum of theirs).
+            ylabel, ci_name = ((f"bias ({names[0]})", f"bias/{names[0]}") if len(names) == 1
+                               else (f"summed bias ({' + '.join(names)})", "bias"))
     if x is None or y is None or table.empty or x.isna().all():
         return None
     methods = table[index].astype(str) if index in table.columns else pd.Series([""] * len(table), index=table.index)
