@@ -424,3 +424,24 @@ def test_streamed_cli_under_torchrun_matches_one_process(tiny_lm, tmp_path, one_
     assert files(tmp_path / "e") == ["E/eval_items.npz", "E/report.json"]
     evaluated = report(tmp_path / "e" / "E")
     assert evaluated["metrics"] == b["metrics"] and evaluated["achieved_sparsity"] == b["achieved_sparsity"]
+
+
+def prune_with_one_window() -> dict[str, torch.Tensor]:
+    """A tiny Llama pruned by SparseGPT from one calibration window: under two ranks, rank 1's share
+    is empty, and it must still reduce the same (shared) statistics as rank 0."""
+    from fairprune.pruning.llm import prune_causal_lm
+    from fairprune.pruning.sparsity import Sparsity
+    from tiny_models import BUILDERS
+
+    calib, _, _ = tiny_data()
+    torch.manual_seed(0)
+    model = BUILDERS["llama"]().eval()
+    prune_causal_lm(model, "sparsegpt", Sparsity.parse("0.5"), calib_ids=calib[:1], progress=False)
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_rank_without_calibration_batches_agrees_on_shared_statistics(tmp_path, one_thread):
+    """One calibration window on two ranks: rank 1 sees no batch, takes rank 0's answer on which
+    layers share a statistic, and both end with one process's weights."""
+    two, one = on_two_ranks(tmp_path, "prune_with_one_window"), prune_with_one_window()
+    assert two.keys() == one.keys() and all(torch.equal(two[k], one[k]) for k in one)
