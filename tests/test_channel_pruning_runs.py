@@ -106,6 +106,18 @@ def test_prune_vision_channel_cli_end_to_end(dense_ckpt, tmp_path):
     assert "channels removed" in report["sparsity_definition"]
     assert (run / "group_shares.csv").is_file()
     assert "prunable channels removed" in (run / "README.md").read_text()
+    # sparsity.csv: per layer the entries cut out with their channels, against the dense network.
+    layers = pd.read_csv(run / "sparsity.csv")
+    assert {"dense_numel", "removed", "effective_sparsity"} <= set(layers.columns)
+    assert (layers["dense_numel"] >= layers["numel"]).all() and layers["removed"].between(0, 1).all()
+    assert layers["removed"].max() > 0.5 and (layers["effective_sparsity"] >= layers["removed"]).all()
+    import torchvision
+
+    dense_net = torchvision.models.mobilenet_v2(num_classes=2, width_mult=0.5)  # what the checkpoint's settings build
+    want = {f"net.{n}": m.weight.numel() for n, m in dense_net.named_modules() if isinstance(m, (torch.nn.Conv2d, torch.nn.Linear))}
+    assert dict(zip(layers["layer"], layers["dense_numel"])) == want
+    # Half the channels gone takes more than half the weights: a layer loses inputs and outputs alike.
+    assert 1 - layers["numel"].sum() / layers["dense_numel"].sum() > report["achieved_sparsity"]
 
     # train.py test reads the pruned checkpoint into the smaller model: the same test figures.
     args = ["test", "--config", str(ROOT / "configs" / "vision" / "demo.yaml"), "--ckpt_path",

@@ -133,7 +133,7 @@ class ReportWriter(L.Callback):
         table = group_table(report)
         if len(table):
             write_csv(out / "groups.csv", table)
-        write_csv(out / "sparsity.csv", pd.DataFrame(sparsity_table(targets)), index=False)
+        write_csv(out / "sparsity.csv", layer_table(pl_module, targets), index=False)
         if self.print_table:
             print(f"\n{stage} results ({report['method']}, {out / self.filename}):")
             if len(table):
@@ -183,3 +183,19 @@ class ReportWriter(L.Callback):
         # ``train.py validate``: its own report (a fit's validations are reported when the fit ends).
         if trainer.state.fn == "validate":
             self.write(trainer, pl_module, "val")
+
+
+def layer_table(pl_module: L.LightningModule, targets: list) -> pd.DataFrame:
+    """``sparsity.csv``: per prunable layer its entries now (``numel``), the zero ones among them
+    and their share (``sparsity``). A channel-pruned model adds ``dense_numel`` (the layer's entries
+    in the network its hyper-parameters build), ``removed`` (the share of those cut out with their
+    channels) and ``effective_sparsity`` (the share of the dense entries that are gone or zero)."""
+    table = pd.DataFrame(sparsity_table(targets))
+    dense_numels = getattr(pl_module, "dense_weight_numels", None)
+    if not getattr(pl_module, "architecture", None) or dense_numels is None or table.empty:
+        return table
+    dense = table["layer"].map(dense_numels())
+    table["dense_numel"] = dense.astype("Int64")
+    table["removed"] = 1.0 - table["numel"] / dense
+    table["effective_sparsity"] = 1.0 - (table["numel"] - table["zeros"]) / dense
+    return table

@@ -136,6 +136,16 @@ class VisionClassifier(GroupEvaluation, L.LightningModule):
             handle.remove()
         return captured[0]
 
+    def dense_weight_numels(self) -> dict[str, int]:
+        """Entries of every Conv2d / Linear weight in the network the hyper-parameters build (before
+        any channel was removed), by module name (``net.<path>``); built on the meta device, so it
+        costs no memory and downloads nothing."""
+        hp = self.hparams
+        with torch.device("meta"):
+            dense = build_backbone(hp.backbone, len(self.class_names), False, **(hp.backbone_kwargs or {}))
+        return {f"net.{name}": module.weight.numel() for name, module in dense.named_modules()
+                if isinstance(module, (nn.Conv2d, nn.Linear))}
+
     # -- reference for degradation ---------------------------------------------------------------
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         # A pruned checkpoint holds weight_orig / weight_mask: mirror that before the state loads.
