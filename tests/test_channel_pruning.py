@@ -228,6 +228,31 @@ def test_kept_counts_round_up_to_the_channel_multiple(method):
     assert model(torch.randn(2, 3, 32, 32)).shape == (2, 3)
 
 
+def test_global_ranking_rounds_each_group_up_with_its_best_channels():
+    """SNIP and GraSP's global ranking with channel_multiple 8: every group keeps a multiple of 8
+    (or all it has), what the unrounded ranking keeps plus the best channels it left out."""
+    torch.manual_seed(0)
+    model = build_backbone("mobilenet_v2", 3, width_mult=0.5).eval()
+    scores = registry.get("magnitude", "vision").score(_context(model, prunable_targets(model)))
+    plain = channels.channel_groups(model, [1, 3, 32, 32])
+    rounded_groups = channels.channel_groups(model, [1, 3, 32, 32], multiple=8)
+    unrounded = channels.global_(plain, channels.channel_scores(plain, scores, "l2"), 0.4).keeps
+    group_scores = channels.channel_scores(rounded_groups, scores, "l2")
+    rounded = channels.global_(rounded_groups, group_scores, 0.4).keeps
+    changed = 0
+    for before, after, score, g in zip(unrounded, rounded, group_scores, rounded_groups):
+        kept = int(after.sum())
+        assert kept % 8 == 0 or kept == g.size
+        assert bool((after | before).eq(after).all()) and kept - int(before.sum()) < 8
+        added, left = score[after & ~before], score[~after]
+        if len(added) and len(left):
+            assert added.min() >= left.max()
+        changed += int(kept != int(before.sum()))
+    assert changed > 0
+    channels.remove(rounded_groups, rounded)
+    assert model(torch.randn(2, 3, 32, 32)).shape == (2, 3)
+
+
 def test_bad_channel_settings_are_one_line_errors():
     with pytest.raises(UserError, match="lottery prunes at granularity weight only"):
         IterativePruning("lottery", granularity="channel")

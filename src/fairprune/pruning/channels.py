@@ -117,7 +117,7 @@ def channel_groups(model: nn.Module, input_shape: Sequence[int], ignored: Sequen
     outputs and the groups of ``ignored`` layers' outputs left out. ``record`` (the model's
     :func:`architecture`) gives each group's dense channel count; without one the model is dense.
     ``floor``: channels a group keeps at least; ``multiple``: its kept count is rounded up to a
-    multiple of it by the per-group selections (ONNX Runtime's and oneDNN's convolutions work on
+    multiple of it by every selection (ONNX Runtime's and oneDNN's convolutions work on
     blocks of 8 channels: a count between multiples wastes the rest of a block, and can be slower
     than the dense network)."""
     check_unmasked(model)
@@ -210,7 +210,16 @@ def global_(groups: Sequence[ChannelGroup], scores: Sequence[torch.Tensor], dens
     flat = torch.cat([s.reshape(-1) for s in scores])
     mandatory = torch.cat([select.top_k(s, min(g.floor, g.size)) for g, s in zip(groups, scores)])
     rest = select.top_k(flat, max(0, min(total - int(mandatory.sum()), int((~mandatory).sum()))), ~mandatory)
-    return MaskChoice(list(torch.split(mandatory | rest, [g.size for g in groups])))
+    keeps = torch.split(mandatory | rest, [g.size for g in groups])
+    return MaskChoice([_round_up(keep, s, g.multiple) for keep, s, g in zip(keeps, scores, groups)])
+
+
+def _round_up(keep: torch.Tensor, score: torch.Tensor, multiple: int) -> torch.Tensor:
+    """``keep`` grown by its best channels not yet kept until their count is a multiple of
+    ``multiple`` (or all of them): the global ranking's counts rounded as the per-group ones are."""
+    kept = int(keep.sum())
+    target = min(len(keep), -(-kept // max(1, multiple)) * max(1, multiple))
+    return keep if target == kept else keep | select.top_k(score, target - kept, ~keep)
 
 
 def fair_shares(groups: Sequence[ChannelGroup], scores: Sequence[torch.Tensor], density: float) -> MaskChoice:
