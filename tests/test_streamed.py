@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 import torch
 from safetensors import safe_open
@@ -246,9 +247,35 @@ def test_cli_stream_errors_are_one_line(tiny_lm, tmp_path, capsys):
     (torn / INDEX).write_text(json.dumps({"metadata": {}, "weight_map": {"transformer.wte.weight": "model-00002.safetensors"}}))
     assert prune_main(["sparsegpt", "--model", str(torn), *common]) == 2
     assert "does not hold it" in last_error(capsys)
-    assert prune_main(["compare", "--model", str(tiny_lm / "dense"), "--methods", "[wanda]", *common]) == 2
-    assert "compare holds the model in memory" in last_error(capsys)
+    assert prune_main(["compare", "--model", str(tiny_lm / "dense"), "--methods", "[wanda]", "--save_format", "compressed",
+                       *common]) == 2
+    assert "--save_format dense with --stream true" in last_error(capsys)
+    assert prune_main(["compare", "--model", str(tiny_lm / "dense"), "--methods", "[fasp]", "--alphas", "[0.5]", *common]) == 2
+    assert "head pruning (--alphas) holds the model in memory" in last_error(capsys)
     assert not (tmp_path / "out" / "report.json").exists()
+
+
+def test_cli_compare_streamed_equals_in_memory(tiny_lm, tmp_path):
+    """``compare --stream true`` gives the in-memory compare's table: every run streamed from disk
+    into its own folder, the dense model measured once (its cache then read by every run), the
+    intervals and the paired differences on the same windows and pairs."""
+    common = ["--model", str(tiny_lm / "dense"), "--eval_text", str(tiny_lm / "eval.txt"), "--nsamples", "4", "--seqlen",
+              str(SEQ), "--eval_tokens", "1024", "--device", "cpu", "--threads", "1", "--quiet",
+              "--methods", "[magnitude, sparsegpt]", "--sparsities", '[0.5, "2:4"]', "--dense_cache", "false"]
+    assert prune_main(["compare", *common, "--output", str(tmp_path / "memory")]) == 0
+    assert prune_main(["compare", *common, "--stream", "true", "--output", str(tmp_path / "streamed")]) == 0
+    memory = pd.read_csv(tmp_path / "memory" / "comparison.csv")
+    streamed = pd.read_csv(tmp_path / "streamed" / "comparison.csv")
+    assert list(streamed.columns) == list(memory.columns)
+    assert list(streamed["method"]) == list(memory["method"]) == ["dense", "magnitude", "magnitude", "sparsegpt", "sparsegpt"]
+    for column in ("achieved_sparsity", "stereotype_score", "weights_mb"):
+        assert streamed[column].tolist() == pytest.approx(memory[column].tolist(), rel=1e-9), column
+    for column in ("perplexity", "perplexity_ci_low", "perplexity_ci_high", "perplexity_ratio_diff"):
+        assert streamed[column].tolist() == pytest.approx(memory[column].tolist(), rel=1e-5, nan_ok=True), column
+    for cell in ("magnitude_0.5", "sparsegpt_2of4"):
+        report = json.loads((tmp_path / "streamed" / cell / "report.json").read_text())
+        assert report["stream"] is True and report["reference"]["from_cache"] is False  # --dense_cache false: measured
+    assert json.loads((tmp_path / "streamed" / "report.json").read_text())["stream"] is True
 
 
 # -- slow: a model far bigger than what a streamed run may hold -----------------------------------

@@ -129,6 +129,9 @@ def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output
     writes ``head_scores.csv``; later runs resume from a copy of it), one table of bias and
     perplexity in ``output``."""
     machine.apply()
+    if lm.stream:
+        raise UserError("--stream true streams weight pruning (--sparsities); head pruning (--alphas) holds the model "
+                        "in memory: drop --stream")
     entries = {method: registry.get(method, "heads") for method in methods}
     for alpha in alphas:
         if not 0.0 <= alpha <= 1.0:

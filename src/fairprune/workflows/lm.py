@@ -196,9 +196,6 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     at the same sparsity, on the same windows and pairs."""
     start = time.perf_counter()
     machine.apply()
-    if lm.stream:
-        raise UserError("--stream true prunes one model per command (prune.py magnitude, wanda, sparsegpt, "
-                        "debias-sparsegpt) or evaluates one; compare holds the model in memory: drop --stream")
     for method in methods:
         registry.get(method, "lm")
     baseline = baseline or methods[0]
@@ -206,6 +203,8 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
         raise UserError(f"--baseline {baseline!r} is neither dense nor one of the compared methods ({', '.join(methods)}); "
                         "name one of them")
     sparsities = [Sparsity.parse(s) for s in sparsities]
+    if lm.stream:  # every run streams the model from disk; the dense figures are measured once
+        return _compare_streamed(lm, methods, sparsities, output, solver, machine, baseline, start)
     texts, tokenizer, model = _load(lm)
     for s in sparsities:  # every N:M pattern must fit the layer widths before the first run
         check_pattern_fits(model, s)
@@ -238,6 +237,36 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     extra["baseline"] = baseline
     return write_comparison(rows, output, extra, intervals=intervals, paired=paired, baseline=baseline,
                             title="Language-model pruning comparison")
+
+
+def _compare_streamed(lm: LMOptions, methods: list[str], sparsities: list[Sparsity], output: str, solver: SolverOptions,
+                      machine: MachineOptions, baseline: str, start: float) -> pd.DataFrame:
+    """``compare --stream true``: each run is a streamed prune of the model on disk (one block
+    resident) into its own folder; the dense model is measured once, streamed, and its figures
+    cached, which every run then reads (with ``--dense_cache false`` each run measures it again)."""
+    from fairprune.workflows.streamed import check_streamable, prune_lm_streamed, streamed_dense
+
+    check_streamable(lm)
+    dense, dense_zeros, dense_bytes = streamed_dense(lm, machine, sparsities)
+    rows = [LMRow.dense(dense.metrics, dense_zeros, dense.seconds, dense_bytes)]
+    for method in methods:
+        for s in sparsities:
+            name = _cell(method, s)
+            if distributed.is_main() and machine.progress:
+                print(f"[compare] {name} (streamed) ...", flush=True)
+            config = _config(lm, machine, method=method, sparsity=str(s), **asdict(solver))
+            report = prune_lm_streamed(method, lm, str(Path(output) / name), s, solver, machine, config)
+            if distributed.is_main():
+                rows.append(LMRow.from_report(report, method, str(s)))
+    if not distributed.is_main():
+        return pd.DataFrame()
+    extra = {"reference": {"method": "dense", "metrics": dense.metrics, "from_cache": dense.from_cache,
+                           "dense_zero_fraction": dense_zeros, "seconds": dense.seconds},
+             "stream": True, "threads": torch.get_num_threads(), "seconds": {"total": time.perf_counter() - start}}
+    intervals, paired = _lm_statistics(Path(output), methods, sparsities, baseline, dense.items)
+    extra["baseline"] = baseline
+    return write_comparison(rows, output, extra, intervals=intervals, paired=paired, baseline=baseline,
+                            title="Language-model pruning comparison (streamed)")
 
 
 def _lm_statistics(output: Path, methods: list[str], sparsities: list[Sparsity], baseline: str,

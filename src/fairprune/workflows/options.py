@@ -34,7 +34,7 @@ class LMOptions(CalibrationOptions):
         dense_cache: reuse the dense model's figures measured by an earlier run with the same weights, texts and settings (kept in the project cache, .cache/fairprune/dense); false: measure again.
         dtype: float32, bfloat16 or float16: the dtype the model is loaded, pruned and saved in (the solvers work in float32 inside each layer).
         save_format: dense (save_pretrained: zeros stored) or compressed (compressed-tensors sparse-bitmask, or sparse-24-bitmask at 2:4: the nonzeros and a bitmask); weight pruning only.
-        stream: read the weights block by block from the model's safetensors folder and write the pruned ones block by block, so the model is never whole in memory (one block resident; magnitude, wanda, sparsegpt, debias-sparsegpt and evaluate).
+        stream: read the weights block by block from the model's safetensors folder and write the pruned ones block by block, so the model is never whole in memory (one block resident; magnitude, wanda, sparsegpt, debias-sparsegpt, evaluate and compare).
     """
 
     model: str = field(kw_only=True)

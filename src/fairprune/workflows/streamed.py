@@ -265,6 +265,33 @@ def prune_lm_streamed(method: str, lm: LMOptions, output: str, sparsity: Sparsit
     return report
 
 
+def zero_fraction(sm: StreamedModel) -> float:
+    """The share of exact zeros in the prunable layers of every block, one block read at a time."""
+    zeros = total = 0
+    for block in sm.blocks:
+        with sm.loaded(*sm.family.block_linears(block).values()):
+            for layer in sm.family.block_linears(block).values():
+                zeros += int((layer.weight == 0).sum())
+                total += layer.weight.numel()
+    return zeros / total if total else 0.0
+
+
+def streamed_dense(lm: LMOptions, machine: MachineOptions, sparsities: list[Sparsity]) -> tuple[DenseFigures, float, int]:
+    """For ``compare --stream true``: the dense model's figures (measured streamed, or from the
+    cache, which the runs then read), its prunable layers' zero fraction and its weights' bytes
+    in ``--dtype``; every N:M pattern checked against the layer widths first."""
+    texts = lm_texts(None, lm.eval_text, lm.pairs, lm.seed)
+    tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
+    sm = open_streamed(lm)
+    for sparsity in sparsities:
+        check_pattern_fits(sm.model, sparsity)
+    ids = eval_ids(texts.eval_text, tokenizer, lm.eval_tokens)
+    dense = streamed_dense_figures(sm, tokenizer, ids, texts.eval_pairs, lm.window, resolve_device(lm.device),
+                                   eval_tokens=lm.eval_tokens, use_cache=lm.dense_cache, progress=machine.progress)
+    weight_bytes = sum(t.numel() * t.element_size() for t in sm.output_tensors().values())
+    return dense, zero_fraction(sm), weight_bytes
+
+
 def evaluate_lm_streamed(lm: LMOptions, output: str | None, machine: MachineOptions,
                          start: float | None = None) -> dict[str, Any]:
     """``prune.py evaluate --stream true``: perplexity, stereotype score and sparsity of a model
@@ -283,13 +310,7 @@ def evaluate_lm_streamed(lm: LMOptions, output: str | None, machine: MachineOpti
     peaks = rank_peaks()
     if not distributed.is_main():  # torchrun: rank 0 counts the zeros, reports and writes
         return {}
-    zeros = total = 0
-    for block in sm.blocks:  # the prunable layers' zeros, one block read at a time
-        with sm.loaded(*sm.family.block_linears(block).values()):
-            for layer in sm.family.block_linears(block).values():
-                zeros += int((layer.weight == 0).sum())
-                total += layer.weight.numel()
-    report = {"method": "evaluate", "model": lm.model, "achieved_sparsity": zeros / total if total else 0.0,
+    report = {"method": "evaluate", "model": lm.model, "achieved_sparsity": zero_fraction(sm),
               "metrics": figures.metrics, "from_cache": figures.from_cache,
               "evaluation": evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer),
               "threads": torch.get_num_threads(), "stream": True,
