@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -424,6 +425,15 @@ def test_streamed_cli_under_torchrun_matches_one_process(tiny_lm, tmp_path, one_
     assert files(tmp_path / "e") == ["E/eval_items.npz", "E/report.json"]
     evaluated = report(tmp_path / "e" / "E")
     assert evaluated["metrics"] == b["metrics"] and evaluated["achieved_sparsity"] == b["achieved_sparsity"]
+
+    # compare --stream true on two ranks: one process's table (each run streamed, rank 0 writing).
+    compare = ["compare", "--model", str(tiny_lm["model"]), "--methods", "[magnitude, sparsegpt]", "--sparsities", "[0.5]",
+               "--nsamples", "16", "--stream", "true", *tiny_lm["lm"]]
+    finish(torchrun([*compare, "--output", "C"], tmp_path / "c"))
+    assert prune_main([*compare, "--output", str(tmp_path / "d" / "C"), "--quiet"]) == 0
+    two = pd.read_csv(tmp_path / "c" / "C" / "comparison.csv").drop(columns=["prune_seconds", "seconds"])
+    one = pd.read_csv(tmp_path / "d" / "C" / "comparison.csv").drop(columns=["prune_seconds", "seconds"])
+    pd.testing.assert_frame_equal(two, one)
 
 
 def prune_with_one_window() -> dict[str, torch.Tensor]:
