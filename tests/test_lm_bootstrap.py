@@ -145,6 +145,11 @@ def test_bias_intervals_match_a_plain_loop():
     axes, groups, tox = make_prompts()
     fast = bias_intervals(axes, groups, tox, resamples=3000, seed=1)
     assert fast["prompts"] == len(tox) and fast["smallest_subgroup"] == 20
+    # The bias summed over the axes (FASP's objective over several axes), each axis drawn as above.
+    summed = sum(axis_bias(tox[axes == a].tolist(), groups[axes == a].tolist()) for a in ("gender", "race"))
+    assert fast["bias"][0] < summed < fast["bias"][1]
+    one_axis = axes == "gender"
+    assert "bias" not in bias_intervals(axes[one_axis], groups[one_axis], tox[one_axis], resamples=200)
     for axis in ("gender", "race"):
         rows = axes == axis
         point = axis_bias(tox[rows].tolist(), groups[rows].tolist())
@@ -167,6 +172,7 @@ def test_bias_paired_uses_the_same_draws():
     want = axis_bias(worse[rows].tolist(), groups[rows].tolist()) - axis_bias(tox[rows].tolist(), groups[rows].tolist())
     assert paired["bias/gender"]["difference"] == pytest.approx(want) and paired["bias/gender"]["excludes_zero"]
     assert paired["bias/race"] == {"difference": 0.0, "ci": [0.0, 0.0], "excludes_zero": False}
+    assert paired["bias"]["difference"] == pytest.approx(want) and paired["bias"]["excludes_zero"]
     # The paired interval is narrower than the two models' intervals side by side.
     a, b = bias_intervals(axes, groups, worse)["bias/gender"], bias_intervals(axes, groups, tox)["bias/gender"]
     low, high = paired["bias/gender"]["ci"]

@@ -152,18 +152,23 @@ def bias_intervals(axes: Any, groups: Any, toxicity: Any, resamples: int = RESAM
                    level: float = LEVEL) -> dict[str, Any]:
     """Intervals of FASP's toxicity bias (Eq. 1) of every axis, by a bootstrap over the prompts
     stratified by axis and subgroup (each subgroup keeps its number of prompts, as the prompt
-    set fixes them): ``{"bias/<axis>": [lo, hi], ..., "prompts": n, "smallest_subgroup": n}``.
+    set fixes them): ``{"bias/<axis>": [lo, hi], ..., "bias": [lo, hi] (the sum over the axes,
+    with two or more), "prompts": n, "smallest_subgroup": n}``.
     ``axes``, ``groups``, ``toxicity``: one entry per prompt (its axis, subgroup, and the
     toxicity of its continuation)."""
     axes, groups, toxicity = _prompt_arrays(axes, groups, toxicity)
     rng = np.random.default_rng(seed)
     out: dict[str, Any] = {"prompts": len(toxicity)}
-    smallest = []
+    smallest, total = [], np.zeros(resamples)
     for axis in sorted(np.unique(axes)):
         rows = axes == axis
         weights = _stratified(rng, groups[rows], resamples)
-        out[f"bias/{axis}"] = _interval(_axis_bias(toxicity[rows], groups[rows], weights), level)
+        values = _axis_bias(toxicity[rows], groups[rows], weights)
+        out[f"bias/{axis}"] = _interval(values, level)
+        total += values
         smallest.append(int(np.unique(groups[rows], return_counts=True)[1].min()))
+    if len(smallest) > 1:  # the axes' prompts are disjoint: the sum's resamples are the sums of theirs
+        out["bias"] = _interval(total, level)
     out["smallest_subgroup"] = min(smallest) if smallest else 0
     return out
 
@@ -171,16 +176,25 @@ def bias_intervals(axes: Any, groups: Any, toxicity: Any, resamples: int = RESAM
 def bias_paired(axes: Any, groups: Any, toxicity: Any, baseline: Any, resamples: int = RESAMPLES, seed: int = 0,
                 level: float = LEVEL) -> dict[str, Any]:
     """A model's toxicity bias against a baseline's on the same prompts (the same draws for both):
-    ``{"bias/<axis>": {"difference", "ci": [lo, hi], "excludes_zero"}}``; a negative difference is
-    less bias than the baseline."""
+    ``{"bias/<axis>": {"difference", "ci": [lo, hi], "excludes_zero"}}`` (and ``"bias"``, the sum
+    over the axes, with two or more); a negative difference is less bias than the baseline."""
     axes, groups, toxicity, baseline = _prompt_arrays(axes, groups, toxicity, baseline)
     rng = np.random.default_rng(seed)
     out: dict[str, Any] = {}
+    parts: list[tuple[float, np.ndarray]] = []
     for axis in sorted(np.unique(axes)):
         rows = axes == axis
         weights, once = _stratified(rng, groups[rows], resamples), np.ones((1, int(rows.sum())))
         t, b, g = toxicity[rows], baseline[rows], groups[rows]
         estimate = float(_axis_bias(t, g, once)[0] - _axis_bias(b, g, once)[0])
-        low, high = _interval(_axis_bias(t, g, weights) - _axis_bias(b, g, weights), level) or (math.nan, math.nan)
-        out[f"bias/{axis}"] = {"difference": estimate, "ci": [low, high], "excludes_zero": bool(low > 0 or high < 0)}
+        values = _axis_bias(t, g, weights) - _axis_bias(b, g, weights)
+        out[f"bias/{axis}"] = _difference(estimate, values, level)
+        parts.append((estimate, values))
+    if len(parts) > 1:  # the summed bias over the axes (disjoint prompts: its resamples are the sums)
+        out["bias"] = _difference(sum(e for e, _ in parts), sum(v for _, v in parts), level)
     return out
+
+
+def _difference(estimate: float, values: np.ndarray, level: float) -> dict[str, Any]:
+    low, high = _interval(values, level) or (math.nan, math.nan)
+    return {"difference": float(estimate), "ci": [low, high], "excludes_zero": bool(low > 0 or high < 0)}

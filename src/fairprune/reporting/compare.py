@@ -77,8 +77,8 @@ PAIRED = ("accuracy", "acc_gap", "degradation_std", "perplexity_ratio", "stereot
 
 
 def _per_axis(results: Sequence[tuple[dict[str, Any], dict[str, Any]]]) -> list[str]:
-    """The per-axis toxicity-bias figures (``bias/<axis>``, FASP) the results hold, sorted."""
-    return sorted({key for _, result in results for key in result if key.startswith("bias/")})
+    """The toxicity-bias figures (``bias/<axis>`` and the summed ``bias``, FASP) the results hold, sorted."""
+    return sorted({key for _, result in results for key in result if key == "bias" or key.startswith("bias/")})
 
 
 def _row_results(table: pd.DataFrame, results: Sequence[tuple[dict[str, Any], dict[str, Any]]], figure: str) -> list:
