@@ -39,36 +39,14 @@ ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
 
 
-# Runs a script (or ``-c`` code) in this child, then prints the peak resident memory of its life
-# and leaves without the interpreter's shutdown: tearing down torch and transformers alone raises
-# the kernel's peak of a bare ``import torch, transformers`` by about 0.13 GB (0.54 → 0.67 GB
-# here), which is no part of any run and would flatter every figure measured above it.
-RUNNER = """
-import os, resource, runpy, sys
-argv, code = sys.argv[1:], 0
-try:
-    if argv[0] == "-c":
-        exec(argv[1], {"__name__": "__main__"})
-    else:
-        sys.argv = argv
-        runpy.run_path(argv[0], run_name="__main__")
-except SystemExit as stop:
-    code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-try:  # this image's own peak: ru_maxrss keeps the parent's resident size from before exec
-    peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-except (OSError, StopIteration):
-    pass
-print("PEAK_RSS_KIB", peak, flush=True)
-os._exit(code)
-"""
+RUNNER = ROOT / "bench" / "peak_rss.py"  # runs a child and prints the peak RSS of its life
 
 
 def run_child(argv: list[str], env: dict[str, str]) -> dict:
     """Run ``python <argv>`` (a script and its arguments, or ``-c code``) from the repository root:
     the peak RSS of its life (bytes) and wall seconds."""
     start = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, "-c", RUNNER, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, str(RUNNER), *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     output = proc.stdout.read()
     code = proc.wait()

@@ -282,33 +282,14 @@ def test_cli_compare_streamed_equals_in_memory(tiny_lm, tmp_path):
 BIG = dict(hidden_size=1024, intermediate_size=2048, num_hidden_layers=38, num_attention_heads=8, num_key_value_heads=2,
            vocab_size=32000, max_position_embeddings=256, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
            pad_token_id=1)
-# Runs ``-c code`` or a script in the child and prints the peak resident memory of its life before
-# leaving without the interpreter's shutdown (which alone adds about 0.13 GB to a bare
-# ``import torch, transformers``), so child and baseline are measured alike.
-RUNNER = """
-import os, resource, runpy, sys
-argv, code = sys.argv[1:], 0
-try:
-    if argv[0] == "-c":
-        exec(argv[1], {"__name__": "__main__"})
-    else:
-        sys.argv = argv
-        runpy.run_path(argv[0], run_name="__main__")
-except SystemExit as stop:
-    code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-try:  # this image's own peak: ru_maxrss keeps the parent's resident size from before exec
-    peak = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
-except (OSError, StopIteration):
-    pass
-print("PEAK_RSS_KIB", peak, flush=True)
-os._exit(code)
-"""
+# Runs ``-c code`` or a script in the child and prints the peak resident memory of its life (the
+# runner bench/streamed_prune.py uses), so child and baseline are measured alike.
+RUNNER = ROOT / "bench" / "peak_rss.py"
 
 
 def _peak_rss(argv: list[str], env: dict[str, str]) -> int:
     """Run ``python argv`` to the end; the peak resident memory of its life in bytes (``ru_maxrss``)."""
-    proc = subprocess.run([sys.executable, "-c", RUNNER, *argv], env=env, capture_output=True, text=True)
+    proc = subprocess.run([sys.executable, str(RUNNER), *argv], env=env, capture_output=True, text=True)
     lines = proc.stdout.strip().splitlines()
     assert proc.returncode == 0 and lines and lines[-1].startswith("PEAK_RSS_KIB"), (proc.stdout + proc.stderr)[-3000:]
     return int(lines[-1].split()[1]) * 1024
