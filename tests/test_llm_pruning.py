@@ -160,6 +160,20 @@ def test_statistics_do_not_depend_on_the_order_of_the_batches():
     assert len(sums[0].parts) == 3 and torch.equal(sums[0].total(), sums[1].total())
 
 
+def test_exact_sum_classes_a_term_by_its_largest_magnitude():
+    """A term is rounded on the grid of the class of its largest |entry|, whichever sign holds it
+    (a Gram matrix's largest entry is positive, a difference's may be negative)."""
+    import math
+
+    from fairprune.distributed import ExactSum
+
+    for term in (torch.tensor([[1000.0, -3.0]]), torch.tensor([[3.0, -1000.0]])):
+        acc = ExactSum((1, 2))
+        acc.add(term)
+        assert list(acc.parts) == [-(-math.frexp(1000.0)[1] // ExactSum.CLASS)]
+        assert torch.equal(acc.total(), term.double())  # float32 entries lie on the grid
+
+
 def test_paired_hessian_matches_formula():
     g = torch.Generator().manual_seed(5)
     x0, x1 = torch.randn(3, 4, 5, generator=g), torch.randn(3, 4, 5, generator=g)

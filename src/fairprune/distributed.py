@@ -102,14 +102,15 @@ class ExactSum:
         if self._shared:
             raise RuntimeError("ExactSum: a term was added after the sum was reduced across ranks")
         self.terms += 1
-        term = term.to(self.device).to(torch.float64)
-        top = float(term.abs().max()) if term.numel() else 0.0
+        rounded = term.to(self.device, torch.float64, copy=True)  # one float64 buffer, rounded in place
+        low, high = torch.aminmax(rounded) if rounded.numel() else (0.0, 0.0)
+        top = max(float(high), -float(low))  # the largest magnitude, with no |term| buffer (NaN: both NaN)
         if top == 0.0:
             return
         key = -(-math.frexp(top)[1] // self.CLASS)  # smallest key with top < 2^(CLASS·key); NaN/inf: 0, kept as they are
         shift = self.BITS - self.CLASS * key  # grid units per 1.0, as a power of two (split: it may pass 2^1023)
         up, down = 2.0 ** (shift // 2), 2.0 ** (shift - shift // 2)
-        rounded = (term * up).mul_(down).round_().div_(down).div_(up)  # every step exact but the rounding
+        rounded.mul_(up).mul_(down).round_().div_(down).div_(up)  # every step exact but the rounding
         if key in self.parts:
             self.parts[key] += rounded
         else:

@@ -144,7 +144,9 @@ def prune_causal_lm(
 
     def prune(name: str, layer: nn.Module, stat) -> None:
         tick = time.perf_counter()
-        W = entry.select(linear_weight(layer), None if stat is None else stat.value(), sparsity, **settings)
+        value = None if stat is None else stat.value()
+        stat = None  # its sums go before the solve's buffers come
+        W = entry.select(linear_weight(layer), value, sparsity, **settings)
         # Every rank solved from the same reduced statistics; rank 0's result makes them identical.
         set_linear_weight(layer, distributed.broadcast(W.contiguous()))
         solve_seconds[0] += time.perf_counter() - tick

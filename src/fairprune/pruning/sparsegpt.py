@@ -73,7 +73,7 @@ class Hessian:
     def value(self) -> torch.Tensor:
         """The Hessian over every process of a distributed run (zeros before any sample)."""
         total, n = self.sum.total(), _global_count(self.count)
-        return (total * 2 / max(n, 1)).to(self.dtype).to(self.device or total.device)
+        return total.mul_(2).div_(max(n, 1)).to(self.dtype).to(self.device or total.device)  # in place: total is new
 
 
 class PairedHessian:
@@ -104,9 +104,9 @@ class PairedHessian:
     def value(self) -> torch.Tensor:
         """Paired term plus plain term, each averaged over every process."""
         pairs, plain = _global_count(self.pairs), _global_count(self.plain.count)
-        H = self.sum.total() / max(pairs, 1)
+        H = self.sum.total().div_(max(pairs, 1))  # in place: each total is a new tensor
         if plain:
-            H = H + self.plain.sum.total() * 2 / plain
+            H.add_(self.plain.sum.total().mul_(2).div_(plain))
         return H.to(self.dtype).to(self.device or H.device)
 
 

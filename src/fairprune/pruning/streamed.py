@@ -366,7 +366,9 @@ def prune_streamed(
             for name, layer in layers.items():
                 tick = time.perf_counter()
                 stat = stats.pop(name, None)
-                W = entry.select(linear_weight(layer), None if stat is None else stat.value(), sparsity, **settings)
+                value = None if stat is None else stat.value()
+                stat = None  # its sums go before the solve's buffers come
+                W = entry.select(linear_weight(layer), value, sparsity, **settings)
                 # Every rank solved from the same reduced statistics; rank 0's result makes them identical.
                 set_linear_weight(layer, distributed.broadcast(W.contiguous()))
                 solve_seconds += time.perf_counter() - tick
