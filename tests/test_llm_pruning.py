@@ -172,6 +172,16 @@ def test_exact_sum_classes_a_term_by_its_largest_magnitude():
         acc.add(term)
         assert list(acc.parts) == [-(-math.frexp(1000.0)[1] // ExactSum.CLASS)]
         assert torch.equal(acc.total(), term.double())  # float32 entries lie on the grid
+    # A term larger than the slice it is rounded in: as if rounded whole.
+    g = torch.Generator().manual_seed(3)
+    terms = [torch.randn(700, 500, generator=g, dtype=torch.float64) * 1e3 for _ in range(2)]
+    acc = ExactSum((700, 500))
+    for term in terms:
+        acc.add(term)
+    assert 700 * 500 > ExactSum.CHUNK
+    scale = 2.0 ** (ExactSum.BITS - ExactSum.CLASS * 2)  # |entries| < 2^16: class 2
+    want = sum((t * scale).round() / scale for t in terms)
+    assert torch.equal(acc.total(), want)
 
 
 def test_paired_hessian_matches_formula():

@@ -85,6 +85,7 @@ class ExactSum:
     """
 
     BITS, CLASS, MAX_TERMS = 33, 8, 1 << 20
+    CHUNK = 1 << 18  # entries of a term rounded at once (2 MB of float64)
     _KEYS = 1100 // 8 + 2  # class keys of float64 magnitudes lie in [-_KEYS, _KEYS)
 
     def __init__(self, shape: Sequence[int], device: str | torch.device | None = None):
@@ -102,19 +103,23 @@ class ExactSum:
         if self._shared:
             raise RuntimeError("ExactSum: a term was added after the sum was reduced across ranks")
         self.terms += 1
-        rounded = term.to(self.device, torch.float64, copy=True)  # one float64 buffer, rounded in place
-        low, high = torch.aminmax(rounded) if rounded.numel() else (0.0, 0.0)
+        term = term.to(self.device)
+        low, high = torch.aminmax(term) if term.numel() else (0.0, 0.0)
         top = max(float(high), -float(low))  # the largest magnitude, with no |term| buffer (NaN: both NaN)
         if top == 0.0:
             return
         key = -(-math.frexp(top)[1] // self.CLASS)  # smallest key with top < 2^(CLASS·key); NaN/inf: 0, kept as they are
         shift = self.BITS - self.CLASS * key  # grid units per 1.0, as a power of two (split: it may pass 2^1023)
         up, down = 2.0 ** (shift // 2), 2.0 ** (shift - shift // 2)
-        rounded.mul_(up).mul_(down).round_().div_(down).div_(up)  # every step exact but the rounding
-        if key in self.parts:
-            self.parts[key] += rounded
-        else:
-            self.parts[key] = rounded
+        part = self.parts.get(key)
+        if part is None:
+            part = self.parts[key] = torch.zeros(self.shape, dtype=torch.float64, device=self.device)
+        # Rounded and added a slice at a time, so no float64 copy of a whole term (a 1536² Hessian
+        # term is 19 MB) sits beside the sum.
+        flat, into = term.reshape(-1), part.view(-1)
+        for start in range(0, flat.numel(), self.CHUNK):
+            piece = flat[start : start + self.CHUNK].to(torch.float64, copy=True)
+            into[start : start + self.CHUNK] += piece.mul_(up).mul_(down).round_().div_(down).div_(up)  # exact but the rounding
 
     def total(self) -> torch.Tensor:
         """The sum over every rank's terms (float64; zeros when there were none). Collective under

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from fairprune.errors import UserError
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 def read_user_csv(path: str | Path, what: str, expected: str, **read_csv: Any) -> pd.DataFrame:
@@ -16,6 +17,7 @@ def read_user_csv(path: str | Path, what: str, expected: str, **read_csv: Any) -
     ``read_csv`` goes to :func:`pandas.read_csv` (``dtype``, ``sep``, ``header``, ...). A missing
     file, a folder, a file that is not UTF-8 text or not CSV is a :class:`UserError` naming the file.
     """
+    import pandas as pd
     try:
         return pd.read_csv(path, **read_csv)
     except FileNotFoundError:

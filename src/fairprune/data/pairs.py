@@ -17,8 +17,6 @@ import random
 from pathlib import Path
 from typing import NamedTuple
 
-import pandas as pd
-
 from fairprune.data.files import read_text, read_user_csv
 from fairprune.data.text import lm_corpus, stereo_pairs
 from fairprune.errors import UserError
@@ -77,6 +75,7 @@ def read_crows_pairs(path: str | Path) -> list[Pair]:
     """``(sent_more, sent_less)`` pairs from a CrowS-Pairs CSV, every row as written, each with its
     ``stereo_antistereo`` direction (no such column: all ``stereo``). Antistereo rows are not
     swapped: the CrowS-Pairs metric counts them, like stereo rows, when ``sent_more`` wins."""
+    import pandas as pd
     frame = read_user_csv(path, "CrowS-Pairs", "CrowS-Pairs columns sent_more,sent_less")
     missing = {"sent_more", "sent_less"} - set(frame.columns)
     if missing:

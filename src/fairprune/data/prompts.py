@@ -10,11 +10,13 @@ reads through :func:`read_prompts`. :func:`split_prompts` makes the seeded valid
 from __future__ import annotations
 
 from pathlib import Path
-
-import pandas as pd
+from typing import TYPE_CHECKING
 
 from fairprune.data.files import read_user_csv
 from fairprune.errors import UserError
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 COLUMNS = ("text", "axis", "bucket", "descriptor")
 
@@ -80,6 +82,7 @@ def fill_template(template: str, descriptor: str) -> str:
 
 def holistic_prompts(axes: list[str] | None = None) -> pd.DataFrame:
     """The bundled prompts (templates × descriptors), one row per prompt, deterministic order."""
+    import pandas as pd
     axes = list(DESCRIPTORS) if axes is None else axes
     rows = []
     for axis in axes:

@@ -14,15 +14,16 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any
 
 from fairprune.reporting.html import write_html
 from fairprune.reporting.plots import plot_group_accuracy, plot_latency_tradeoff, plot_quality_bias
 from fairprune.reporting.records import Row, as_dicts
 from fairprune.reporting.report import markdown, write_json
 from fairprune.storage.atomic import write_csv, write_text
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 #: The column that tells repeated runs apart.
 SEED = "seed"
@@ -32,6 +33,7 @@ def aggregate(rows: Sequence[dict[str, Any]], keys: Sequence[str], by: str = SEE
     """One row per distinct ``keys`` (in first-seen order) over the runs told apart by ``by``:
     ``n`` (runs), and for every numeric column ``c`` its mean ``c_mean`` and sample standard
     deviation ``c_sd`` (ddof 1; empty for a single run). Missing values are left out of a figure."""
+    import pandas as pd
     table = pd.DataFrame(rows)
     keys = [k for k in keys if k in table.columns]
     values = [c for c in table.columns if c not in keys and c != by and pd.api.types.is_numeric_dtype(table[c])]
@@ -50,6 +52,7 @@ def aggregate(rows: Sequence[dict[str, Any]], keys: Sequence[str], by: str = SEE
 def mean_sd_table(table: pd.DataFrame) -> pd.DataFrame:
     """An aggregated table for reading: each ``c_mean`` / ``c_sd`` pair becomes one column ``c``
     holding ``"mean ± sd"`` (the mean alone when there is no sd)."""
+    import pandas as pd
     out = pd.DataFrame(index=table.index)
     for c in table.columns:
         if c.endswith("_sd") and f"{c[:-3]}_mean" in table.columns:
@@ -156,6 +159,7 @@ def write_comparison(rows: Sequence[Row | dict[str, Any]], output: str | os.Path
     CPU threads, **extra}`` (and
     ``"aggregate"`` for repeated runs); it is written last, so a folder with a ``report.json``
     holds a finished comparison."""
+    import pandas as pd
     rows = as_dicts(rows)
     raw = pd.DataFrame(rows)
     out = Path(output)

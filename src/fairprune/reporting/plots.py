@@ -10,9 +10,11 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
+if TYPE_CHECKING:
+    import pandas as pd
+
 
 
 def _plt():
@@ -243,6 +245,7 @@ def plot_latency_tradeoff(table: pd.DataFrame, path: str | os.PathLike, index: s
 
 def _column(table: pd.DataFrame, name: str) -> pd.Series | None:
     """A figure's column, plain or aggregated over seeds (``<name>_mean``), as floats."""
+    import pandas as pd
     for column in (name, f"{name}_mean"):
         if column in table.columns:
             return pd.to_numeric(table[column], errors="coerce")
@@ -263,6 +266,7 @@ def quality_bias_figure(table: pd.DataFrame, index: str = "method"):
     """The figure of :func:`plot_quality_bias`, or None when the table has no perplexity or no
     bias figure (not an LM comparison)."""
     import numpy as np
+    import pandas as pd
     from matplotlib.lines import Line2D
 
     x = _column(table, "perplexity")

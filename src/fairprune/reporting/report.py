@@ -11,11 +11,12 @@ import json
 import math
 import os
 from pathlib import Path
-from typing import Any, TypedDict
-
-import pandas as pd
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from fairprune.storage.atomic import write_text
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 
 class Report(TypedDict, total=False):
@@ -60,6 +61,7 @@ def write_json(path: str | os.PathLike, payload: dict[str, Any]) -> Path:
 
 def group_table(report: dict[str, Any]) -> pd.DataFrame:
     """Per-group table of a report (rows = groups)."""
+    import pandas as pd
     frame = pd.DataFrame.from_dict(report.get("groups", {}), orient="index")
     frame.index.name = "group"
     return frame
@@ -82,6 +84,7 @@ def markdown_text(value: Any) -> Any:
 
 def markdown(frame: pd.DataFrame, floatfmt: str = ".4f") -> str:
     """A markdown table (pandas + tabulate) whose names and text cells are escaped (:func:`markdown_text`)."""
+    import pandas as pd
     frame = frame.copy()
     frame.columns = frame.columns.map(markdown_text)
     frame.index = frame.index.map(markdown_text)

@@ -15,7 +15,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import torch
 import yaml
 
@@ -72,6 +71,7 @@ def _write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, An
     """Write the run into a staging folder beside ``output`` and swap it in whole (``keep``: files
     of ``output`` that stay); ``extra(folder)`` writes more files first. ``save_format`` (dense or
     compressed) adds the report's ``weights`` block; None: ``save_pretrained`` alone."""
+    import pandas as pd
     check_result(model, output, report.get("method"))
     report.setdefault("threads", torch.get_num_threads())
 

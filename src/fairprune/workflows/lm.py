@@ -24,7 +24,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import torch
 
 from fairprune import distributed
@@ -48,6 +47,11 @@ from fairprune.storage.lock import locked
 from fairprune.workflows.dense import DenseFigures, dense_figures, finish_evaluation, pruned_line
 from fairprune.workflows.launch import torchrun as _torchrun
 from fairprune.workflows.options import LMOptions, MachineOptions
+
+#: A pandas DataFrame. Named so, not imported, because the command-line parser resolves the
+#: annotations of a command's module by running its type-checking imports, and pandas costs an
+#: LM run 30 MB it does not otherwise need until its tables are written.
+Table = Any
 
 
 def _load(lm: LMOptions, calibration: bool = True) -> tuple[LMTexts, Any, Any]:
@@ -187,13 +191,14 @@ def _compare_folders(output: str, methods: list[str], sparsities: list[str | flo
 @locked(_compare_folders)
 def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float | Sparsity], output: str,
                solver: SolverOptions = SolverOptions(), machine: MachineOptions = MachineOptions(),
-               baseline: str | None = None) -> pd.DataFrame:
+               baseline: str | None = None) -> Table:
     """Every method at every sparsity from one model: one run folder each (``<method>_<sparsity>``)
     and one comparison in ``output``. The dense model is measured once (or taken from the cache),
     and its figures are every run's reference. Every row carries 95 % intervals (perplexity over
     windows, stereotype score over pairs) and each method's paired difference against
     ``baseline`` (default: the first method; ``dense`` compares every run with the dense model)
     at the same sparsity, on the same windows and pairs."""
+    import pandas as pd
     start = time.perf_counter()
     machine.apply()
     for method in methods:
@@ -240,10 +245,12 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
 
 
 def _compare_streamed(lm: LMOptions, methods: list[str], sparsities: list[Sparsity], output: str, solver: SolverOptions,
-                      machine: MachineOptions, baseline: str, start: float) -> pd.DataFrame:
+                      machine: MachineOptions, baseline: str, start: float) -> Table:
     """``compare --stream true``: each run is a streamed prune of the model on disk (one block
     resident) into its own folder; the dense model is measured once, streamed, and its figures
     cached, which every run then reads (with ``--dense_cache false`` each run measures it again)."""
+    import pandas as pd
+
     from fairprune.workflows.streamed import check_streamable, prune_lm_streamed, streamed_dense
 
     check_streamable(lm)

@@ -35,7 +35,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import pandas as pd
 import torch
 import yaml
 
@@ -247,6 +246,8 @@ def prune_lm_streamed(method: str, lm: LMOptions, output: str, sparsity: Sparsit
             report["reference"]["ci"] = lm_intervals(dense.items)
             report["paired"] = {"baseline": "dense", **lm_paired(items, dense.items)}
         items.save(out)
+        import pandas as pd  # here, not at the top: a streamed run holds it only once its work is done
+
         write_csv(out / "sparsity.csv", pd.DataFrame([{"layer": k, "sparsity": v} for k, v in result["layers"].items()]),
                   index=False)
         write_text(out / "config.yaml", yaml.safe_dump(config, sort_keys=False))
