@@ -182,6 +182,11 @@ def test_exact_sum_classes_a_term_by_its_largest_magnitude():
     scale = 2.0 ** (ExactSum.BITS - ExactSum.CLASS * 2)  # |entries| < 2^16: class 2
     want = sum((t * scale).round() / scale for t in terms)
     assert torch.equal(acc.total(), want)
+    # Scaled and narrowed a slice at a time: each entry as (total * times / over).to(dtype).
+    acc.add(terms[0] * 1e-9)  # a second class
+    assert len(acc.parts) == 2
+    whole = acc.total()
+    assert torch.equal(acc.total(torch.float32, times=2, over=7), (whole * 2 / 7).to(torch.float32))
 
 
 def test_paired_hessian_matches_formula():

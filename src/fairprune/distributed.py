@@ -121,9 +121,14 @@ class ExactSum:
             piece = flat[start : start + self.CHUNK].to(torch.float64, copy=True)
             into[start : start + self.CHUNK] += piece.mul_(up).mul_(down).round_().div_(down).div_(up)  # exact but the rounding
 
-    def total(self) -> torch.Tensor:
-        """The sum over every rank's terms (float64; zeros when there were none). Collective under
-        a group: every rank calls it, once its terms are in."""
+    def total(self, dtype: torch.dtype = torch.float64, times: float = 1.0, over: float = 1.0) -> torch.Tensor:
+        """The sum over every rank's terms (zeros when there were none), times ``times`` and divided
+        by ``over`` in float64, then as ``dtype``. Collective under a group: every rank calls it,
+        once its terms are in.
+
+        Made a slice at a time: each entry gets the very operations it would as
+        ``(total * times / over).to(dtype)``, but no float64 copy of the whole sum is made beside
+        the class sums when ``dtype`` is narrower (a 11008² Hessian: 0.97 GB less at its peak)."""
         terms = self.terms
         if world()[1] > 1 and not self._shared:
             present = torch.zeros(2 * self._KEYS + 1, dtype=torch.float64)  # the classes, then the term count
@@ -141,10 +146,19 @@ class ExactSum:
         if terms > self.MAX_TERMS:
             raise UserError(f"{terms} calibration batches are more than an exact sum takes ({self.MAX_TERMS}); "
                             "use fewer samples or larger batches")
-        total = torch.zeros(self.shape, dtype=torch.float64, device=self.device)
-        for key in sorted(self.parts):  # the same classes in the same order on every rank
-            total += self.parts[key]
-        return total
+        out = torch.empty(self.shape, dtype=dtype, device=self.device)
+        into = out.view(-1)
+        parts = [self.parts[key].view(-1) for key in sorted(self.parts)]  # the same classes in the same order on every rank
+        for start in range(0, into.numel(), self.CHUNK):
+            piece = torch.zeros(min(self.CHUNK, into.numel() - start), dtype=torch.float64, device=self.device)
+            for part in parts:
+                piece += part[start : start + self.CHUNK]
+            if times != 1.0:
+                piece.mul_(times)
+            if over != 1.0:
+                piece.div_(over)
+            into[start : start + self.CHUNK] = piece
+        return out
 
 
 def broadcast(tensor: torch.Tensor, src: int = 0) -> torch.Tensor:

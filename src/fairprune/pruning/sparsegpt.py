@@ -72,8 +72,9 @@ class Hessian:
 
     def value(self) -> torch.Tensor:
         """The Hessian over every process of a distributed run (zeros before any sample)."""
-        total, n = self.sum.total(), _global_count(self.count)
-        return total.mul_(2).div_(max(n, 1)).to(self.dtype).to(self.device or total.device)  # in place: total is new
+        n = _global_count(self.count)
+        H = self.sum.total(self.dtype, times=2, over=max(n, 1))  # 2·Σ/n in float64, made as float32 a slice at a time
+        return H.to(self.device or H.device)
 
 
 class PairedHessian:
