@@ -7,7 +7,9 @@ Runs, each in a fresh child process whose peak resident memory over its life (``
 * ``baseline + model code`` — the same, plus the classes a run of this model imports
   (``AutoConfig`` of the folder, ``AutoTokenizer``, ``AutoModelForCausalLM``; no weights, no
   vocabulary): with transformers 5 a Llama config imports the image utilities, hence torchvision,
-  ``torch._dynamo`` and sympy, a cost every run of this model pays before any weight is read;
+  ``torch._dynamo`` and sympy, a cost every run of this model pays before any weight is read
+  (triton skipped where torch sees no GPU, as the prune runs skip it:
+  :func:`fairprune.workflows.options.skip_gpu_compiler`);
 * ``in-memory`` — ``prune.py <method> --dtype <dtype>`` (the whole model held);
 * ``streamed`` — the same command with ``--stream true`` (one block resident).
 
@@ -76,7 +78,8 @@ def main() -> None:
     folder = resolve_name(args.model)  # a packaged GGUF is converted once here, outside the measured runs
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads),
            "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    code = ("import torch, transformers; from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer; "
+    code = ("import torch, transformers; from fairprune.workflows.options import skip_gpu_compiler; skip_gpu_compiler(); "
+            "from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer; "
             f"AutoConfig.from_pretrained({str(folder)!r})")
     children = {"baseline": ["-c", "import torch, transformers"], "baseline + model code": ["-c", code]}
     scratch = Path(tempfile.mkdtemp(prefix="streamed-bench-"))

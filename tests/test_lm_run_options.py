@@ -268,3 +268,27 @@ def test_vision_quiet_and_threads(dense_ckpt, tmp_path, capsys):
     err = capsys.readouterr().err
     assert "%|" not in err and "group importance" not in err
     assert report_of(tmp_path / "fairgrape")["threads"] == 1  # FairGRAPE's numba kernels ran in between
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="triton is left alone on a machine with a GPU")
+def test_a_run_without_a_gpu_does_not_import_triton():
+    """``MachineOptions.apply`` (the start of every command) makes triton read as absent where torch
+    sees no GPU, so transformers' model code (which imports ``torch._dynamo``) does not load it; the
+    model still builds and runs."""
+    import subprocess
+    import sys
+
+    code = ("import importlib.util, sys, torch\n"
+            "from fairprune.workflows.options import MachineOptions\n"
+            "MachineOptions().apply()\n"
+            "from transformers import LlamaConfig, LlamaForCausalLM\n"
+            "import torch._dynamo\n"
+            "from torch.utils._triton import has_triton_package\n"
+            "config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,\n"
+            "                     num_key_value_heads=1, vocab_size=50)\n"
+            "out = LlamaForCausalLM(config).eval()(torch.tensor([[1, 2, 3]])).logits\n"
+            "print(sys.modules.get('triton', 'absent'), importlib.util.find_spec('triton'), has_triton_package(),\n"
+            "      tuple(out.shape))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.split() == ["None", "None", "False", "(1,", "3,", "50)"]

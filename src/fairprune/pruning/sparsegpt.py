@@ -122,8 +122,12 @@ def inverse_hessian_cholesky(H: torch.Tensor, percdamp: float = 0.01, retries: i
         damped = H.clone()
         damped.diagonal().add_(percdamp * mean_diag)
         L, info = torch.linalg.cholesky_ex(damped)
+        del damped  # each n² buffer is dropped once the next is made: two live at a time, not four
         if info.item() == 0:
-            U, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(L), upper=True)
+            inverse = torch.cholesky_inverse(L)
+            del L
+            U, info = torch.linalg.cholesky_ex(inverse, upper=True)
+            del inverse
             if info.item() == 0 and torch.isfinite(U).all():
                 return U
         if attempt < retries:
