@@ -5,7 +5,7 @@ The figures of :mod:`fairprune.metrics.language`, measured on a
 in-memory measurement: 8 windows of the perplexity text, 16 right-padded sentences of the
 stereotype pairs) is captured at block 0's input, each block is loaded once and runs on all of
 them, the hidden states are held between blocks, and the final norm and head finish each batch.
-The head's logits are made for one sentence, or 64 positions of one window, at a time, so the
+The head's logits are made for 16 positions of one window or sentence at a time, so the
 vocabulary-wide logits never sit in memory for a whole batch. The result is the in-memory one to float
 tolerance (the same operations, batched the same way up to the head): per-window NLL and token
 counts as :func:`~fairprune.metrics.language.window_losses` returns them, per-pair outcomes as
@@ -33,7 +33,7 @@ from fairprune.metrics.language import LMItems, eval_windows, pad_right, perplex
 MAX_HIDDEN_BYTES = 512 * 1024 * 1024
 WINDOW_BATCH = 8  # windows per batch, as measure_lm_items runs window_losses
 SENTENCE_BATCH = 16  # sentences per batch, as pair_outcomes runs sentence_log_likelihoods
-LOGIT_ROWS = 64  # positions whose vocabulary-wide logits are made at once
+LOGIT_ROWS = 16  # positions whose vocabulary-wide logits are made at once (a 49k vocabulary: 3 MB of float32)
 
 
 def _windows(sm, ids: torch.Tensor, seqlen: int | None) -> torch.Tensor:
@@ -139,8 +139,12 @@ def _measure(sm, tokenizer, ids, pairs: list, seqlen, device, budget: int, progr
             start = (i - first_pair_call) * SENTENCE_BATCH
             ids_, keep = call["input_ids"].to(hidden.device), call["attention_mask"].to(hidden.device).bool()
             for r in range(len(ids_)):
-                logits = head(hidden[r : r + 1]).double()
-                logp = logits[0, :-1].log_softmax(-1).gather(-1, ids_[r, 1:, None]).squeeze(-1)
+                parts = []  # log-probabilities of the next tokens, LOGIT_ROWS positions at a time (row-wise: as whole)
+                for a in range(0, ids_.shape[1] - 1, LOGIT_ROWS):
+                    end = min(a + LOGIT_ROWS, ids_.shape[1] - 1)
+                    logits = head(hidden[r, a:end]).double()
+                    parts.append(logits.log_softmax(-1).gather(-1, ids_[r, a + 1 : end + 1, None]).squeeze(-1))
+                logp = torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float64)
                 scores[start + r] = (logp * keep[r, 1:]).sum().cpu()
 
     _run(sm, calls, device, budget, progress, score)
