@@ -111,6 +111,18 @@ def evaluation_facts(ids: torch.Tensor, window: int, eval_tokens: int | None, ev
     return facts
 
 
+def solve_layer(entry: Method, layer: nn.Module, stat, sparsity: Sparsity, settings: dict) -> None:
+    """Prune one layer in place from its statistic (None for a weights-only method): the value is
+    taken and the statistic let go before the solve, so its sums are gone when the solver's
+    buffers come (pass it straight from its container, holding no other reference). Collective
+    under ``torchrun``: every rank solved from the same reduced statistics; rank 0's result makes
+    them identical."""
+    value = None if stat is None else stat.value()
+    stat = None
+    W = entry.select(linear_weight(layer), value, sparsity, **settings)
+    set_linear_weight(layer, distributed.broadcast(W.contiguous()))
+
+
 def prune_causal_lm(
     model: nn.Module,
     method: str,
@@ -144,11 +156,7 @@ def prune_causal_lm(
 
     def prune(name: str, layer: nn.Module, stat) -> None:
         tick = time.perf_counter()
-        value = None if stat is None else stat.value()
-        stat = None  # its sums go before the solve's buffers come
-        W = entry.select(linear_weight(layer), value, sparsity, **settings)
-        # Every rank solved from the same reduced statistics; rank 0's result makes them identical.
-        set_linear_weight(layer, distributed.broadcast(W.contiguous()))
+        solve_layer(entry, layer, stat, sparsity, settings)
         solve_seconds[0] += time.perf_counter() - tick
 
     if entry.statistic is None:  # from the weights alone: no calibration pass

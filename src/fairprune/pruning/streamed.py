@@ -48,12 +48,12 @@ from tqdm.auto import tqdm
 
 from fairprune import distributed
 from fairprune.errors import UserError
-from fairprune.families import _get, family_of, linear_weight, set_linear_weight
+from fairprune.families import _get, family_of, linear_weight
 from fairprune.hub.checks import nonfinite
 from fairprune.hub.shards import ShardReader, ShardWriter
 from fairprune.pruning import registry
 from fairprune.pruning.calibration import BlockInput, _collect, _hidden, capture_block_inputs, make_inputs
-from fairprune.pruning.llm import _validate
+from fairprune.pruning.llm import _validate, solve_layer
 from fairprune.pruning.masks import Target, sparsity_table
 from fairprune.pruning.sparsity import Sparsity
 
@@ -365,12 +365,7 @@ def prune_streamed(
                 _collect(block, layers, stats, batches)
             for name, layer in layers.items():
                 tick = time.perf_counter()
-                stat = stats.pop(name, None)
-                value = None if stat is None else stat.value()
-                stat = None  # its sums go before the solve's buffers come
-                W = entry.select(linear_weight(layer), value, sparsity, **settings)
-                # Every rank solved from the same reduced statistics; rank 0's result makes them identical.
-                set_linear_weight(layer, distributed.broadcast(W.contiguous()))
+                solve_layer(entry, layer, stats.pop(name, None), sparsity, settings)
                 solve_seconds += time.perf_counter() - tick
             if entry.statistic is not None:
                 batches = [replace(b, hidden=_hidden(block(b.hidden, *b.args, **b.kwargs))) for b in batches]

@@ -107,23 +107,20 @@ class MachineOptions:
         torch.set_num_threads(self.threads)
 
 
-def skip_gpu_compiler() -> bool:
-    """On a machine where torch sees no GPU, make triton read as not installed; True if it now does.
+def skip_gpu_compiler() -> None:
+    """On a machine where torch sees no GPU, make triton read as not installed.
 
     triton compiles GPU kernels and nothing else. ``torch._dynamo``, which transformers' model
     code imports (``masking_utils``), imports it whenever it is installed, and that costs a CPU
-    run about 80 MB of resident memory (a third of what a streamed prune of SmolLM2-135M holds
-    above the bare import of torch and transformers) for no use. Once triton is imported, or with
-    a GPU, nothing changes; a process that later wants it (torch.compile for a GPU) must run on a
+    run about 80 MB of resident memory for no use. Once triton is imported, or with a GPU,
+    nothing changes; a process that later wants it (torch.compile for a GPU) must run on a
     machine with one, where it is left alone."""
     import sys
 
     import torch
 
-    if "triton" in sys.modules or torch.cuda.is_available():
-        return sys.modules.get("triton", True) is None
-    sys.modules["triton"] = None  # what importlib reads as absent: find_spec gives None, import raises ImportError
-    return True
+    if "triton" not in sys.modules and not torch.cuda.is_available():
+        sys.modules["triton"] = None  # what importlib reads as absent: find_spec gives None, import raises ImportError
 
 
 class TrainerOptions(TypedDict, total=False):
