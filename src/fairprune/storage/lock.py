@@ -308,10 +308,42 @@ class RunLock:
 Folders = str | os.PathLike | Sequence[str | os.PathLike] | None
 
 
-def locked(folder: Callable[..., Folders]) -> Callable[[F], F]:
+def _paths(found: Folders) -> list[Path]:
+    if found is None:
+        return []
+    return [Path(found)] if isinstance(found, (str, os.PathLike)) else [Path(p) for p in found if p is not None]
+
+
+def check_apart(outputs: Sequence[str | os.PathLike], inputs: Sequence[str | os.PathLike], option: str = "--output") -> None:
+    """Refuse, in one line and before anything is written, an output that is an input the run
+    reads, lies inside one, or holds one: writing it would replace the input (a model folder
+    pruned into itself loses its weights). Inputs that are not on disk (a hub name) are skipped;
+    paths are compared resolved, so a symlink or ``..`` cannot hide the overlap."""
+    for source in inputs:
+        src = Path(source)
+        if not src.exists():
+            continue
+        real = src.resolve()
+        for out in outputs:
+            target = Path(out).resolve()
+            if target == real:
+                how = "is"
+            elif real in target.parents:
+                how = "lies inside"
+            elif target in real.parents:
+                how = "holds"
+            else:
+                continue
+            raise UserError(f"{option} '{out}' {how} the input '{source}' the run reads; writing there would replace "
+                            f"it: choose an output outside '{source}'")
+
+
+def locked(folder: Callable[..., Folders], reads: Callable[..., Folders] | None = None) -> Callable[[F], F]:
     """Decorator: run the function holding the lock of ``folder(**its arguments)`` (None: no lock);
     a sequence of folders (a compare's output and its cells) is locked as one, in order, the first
-    being the command's output.
+    being the command's output. ``reads(**its arguments)``: the inputs the run reads from disk (a
+    model folder, a checkpoint), which no locked folder may be, lie inside or hold
+    (:func:`check_apart`).
 
     ``@locked(lambda output, **_: output)`` locks a command's ``--output`` for as long as it runs,
     after checking that the folder can be written (the one place every command checks it).
@@ -325,10 +357,11 @@ def locked(folder: Callable[..., Folders]) -> Callable[[F], F]:
         def run(*args: Any, **kwargs: Any) -> Any:
             bound = signature.bind(*args, **kwargs)
             bound.apply_defaults()
-            paths = folder(**bound.arguments)
-            if paths is None:
+            paths = _paths(folder(**bound.arguments))
+            if not paths:
                 return function(*args, **kwargs)
-            paths = [Path(paths)] if isinstance(paths, (str, os.PathLike)) else [Path(p) for p in paths]
+            if reads is not None:
+                check_apart(paths, _paths(reads(**bound.arguments)))
             check_writable(paths[0])  # an unwritable folder fails here, before any work, with one line
             with contextlib.ExitStack() as locks:
                 for path in dict.fromkeys(paths):  # a folder named twice is one folder

@@ -17,6 +17,7 @@ from fairprune.errors import UserError
 from fairprune.models.deploy import input_shape_of, plain_copy
 from fairprune.models.onnx_export import DYNAMO_MIN_OPSET, export_onnx, max_abs_differences, ort_session
 from fairprune.storage.atomic import replace_atomically
+from fairprune.storage.lock import check_apart
 from fairprune.workflows.vision import load_trained
 
 #: The batch sizes ONNX Runtime's outputs are checked at (two: the batch dimension is dynamic).
@@ -59,6 +60,7 @@ def export_vision(ckpt: str, output: str = "model.onnx", opset: int = DYNAMO_MIN
         raise UserError(f"--atol must be a positive tolerance, e.g. 1e-4; got {atol}")
     if image_size is not None and image_size < 1:
         raise UserError(f"--image_size must be a positive number of pixels; got {image_size}")
+    check_apart([path], [ckpt])  # the ONNX file must not replace the checkpoint it is exported from
     _check_writable(path, output)  # before the checkpoint is loaded
     model, datamodule = load_trained(ckpt)
     shape = (3, image_size, image_size) if image_size else input_shape_of(datamodule)

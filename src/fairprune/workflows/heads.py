@@ -30,7 +30,7 @@ from fairprune.reporting.runs import check_result, write_head_run
 from fairprune.storage.folders import check_free_space
 from fairprune.storage.lock import locked
 from fairprune.workflows.launch import torchrun
-from fairprune.workflows.options import LMOptions, MachineOptions
+from fairprune.workflows.options import LMOptions, MachineOptions, model_folder
 
 
 def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alpha: float, output: Path,
@@ -60,7 +60,7 @@ def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alph
 
 
 @torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
-@locked(lambda output, **_: output)
+@locked(lambda output, **_: output, reads=model_folder)
 def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = HeadOptions(),
          machine: MachineOptions = MachineOptions()) -> dict[str, Any]:
     """FASP: remove the attention heads that most raise toxicity disparity, protecting the heads
@@ -122,7 +122,7 @@ def _compare_folders(output: str, methods: list[str], alphas: list[float], **_: 
 
 
 @torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
-@locked(_compare_folders)
+@locked(_compare_folders, reads=model_folder)
 def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output: str,
                   heads: HeadOptions = HeadOptions(), machine: MachineOptions = MachineOptions()) -> pd.DataFrame:
     """FASP and its baselines at several α from one model: heads are scored once (the first run

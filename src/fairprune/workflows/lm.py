@@ -46,7 +46,7 @@ from fairprune.storage.folders import check_free_space
 from fairprune.storage.lock import locked
 from fairprune.workflows.dense import DenseFigures, dense_figures, finish_evaluation, pruned_line
 from fairprune.workflows.launch import torchrun as _torchrun
-from fairprune.workflows.options import LMOptions, MachineOptions
+from fairprune.workflows.options import LMOptions, MachineOptions, model_folder
 
 #: A pandas DataFrame. Named so, not imported, because the command-line parser resolves the
 #: annotations of a command's module by running its type-checking imports, and pandas costs an
@@ -108,7 +108,7 @@ def _config(lm: LMOptions, machine: MachineOptions, **fields: Any) -> dict[str, 
 
 
 @_torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
-@locked(lambda output, **_: output)
+@locked(lambda output, **_: output, reads=model_folder)
 def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm: str | None = None,
              solver: SolverOptions = SolverOptions(), machine: MachineOptions = MachineOptions()) -> dict[str, Any]:
     """Post-training pruning of a causal LM: load, measure, prune, measure again; writes the pruned
@@ -143,7 +143,7 @@ def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm:
 
 
 @_torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
-@locked(lambda output, **_: output)
+@locked(lambda output, **_: output, reads=model_folder)
 def evaluate_lm(lm: LMOptions, output: str | None = None, machine: MachineOptions = MachineOptions()) -> dict[str, Any]:
     """Perplexity, stereotype score and sparsity of any causal LM (from the cache when an earlier
     run measured the same weights on the same texts with the same settings).
@@ -188,7 +188,7 @@ def _compare_folders(output: str, methods: list[str], sparsities: list[str | flo
 
 
 @_torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
-@locked(_compare_folders)
+@locked(_compare_folders, reads=model_folder)
 def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float | Sparsity], output: str,
                solver: SolverOptions = SolverOptions(), machine: MachineOptions = MachineOptions(),
                baseline: str | None = None) -> Table:

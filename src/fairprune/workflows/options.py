@@ -55,6 +55,12 @@ class LMOptions(CalibrationOptions):
                             "compressed-tensors' sparse-bitmask / sparse-24-bitmask)")
 
 
+def model_folder(lm: LMOptions, **_: object) -> str:
+    """The model an LM command reads (``@locked(..., reads=model_folder)``: no output may be it,
+    lie inside it or hold it)."""
+    return lm.model
+
+
 @dataclass(frozen=True)
 class MachineOptions:
     """How a command runs on this machine; every prune.py command takes these.

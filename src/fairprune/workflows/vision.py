@@ -93,7 +93,7 @@ def _run_folder(output: str, name: str | None, pruning: dict[str, Any], **_: Any
     return Path(output) / (name or method)
 
 
-@locked(_run_folder)
+@locked(_run_folder, reads=lambda ckpt, **_: ckpt)
 def prune_vision(
     ckpt: str,
     pruning: dict[str, Any],
@@ -305,7 +305,7 @@ def _compare_folders(output: str, methods: list[str], sparsities: list[float], s
                                 for sparsity in sparsities or []]]
 
 
-@locked(_compare_folders)
+@locked(_compare_folders, reads=lambda ckpt, **_: ckpt)
 def compare_vision(
     ckpt: str,
     methods: list[str],
