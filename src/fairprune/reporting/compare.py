@@ -79,9 +79,12 @@ INTERVALS = ("accuracy", "acc_gap", "degradation_std", "perplexity", "stereotype
 PAIRED = ("accuracy", "acc_gap", "degradation_std", "perplexity_ratio", "stereotype_score", "stereotype_bias")
 
 
-def _per_axis(results: Sequence[tuple[dict[str, Any], dict[str, Any]]]) -> list[str]:
-    """The toxicity-bias figures (``bias/<axis>`` and the summed ``bias``, FASP) the results hold, sorted."""
-    return sorted({key for _, result in results for key in result if key == "bias" or key.startswith("bias/")})
+def _per_axis(results: Sequence[tuple[dict[str, Any], dict[str, Any]]], columns: Sequence[str] = ()) -> list[str]:
+    """The toxicity-bias figures (``bias/<axis>`` and the summed ``bias``, FASP) the results hold,
+    and the lm-eval figures (``<task>/<metric>``) the table shows a column of, sorted."""
+    shown = set(columns)
+    return sorted({key for _, result in results for key in result
+                   if key == "bias" or key.startswith("bias/") or ("/" in key and key in shown)})
 
 
 def _row_results(table: pd.DataFrame, results: Sequence[tuple[dict[str, Any], dict[str, Any]]], figure: str) -> list:
@@ -101,7 +104,7 @@ def add_intervals(table: pd.DataFrame, shown: pd.DataFrame, intervals: Sequence[
     key columns): numeric ``<figure>_ci_low`` / ``_ci_high`` columns in the table, one
     ``<figure> 95% CI`` column in the shown one."""
     table, shown = table.copy(), shown.copy()
-    for figure in (*INTERVALS, *_per_axis(intervals)):
+    for figure in (*INTERVALS, *_per_axis(intervals, table.columns)):
         found = _row_results(table, intervals, figure)
         lows = [float("nan") if f is None else f[0] for f in found]
         highs = [float("nan") if f is None else f[1] for f in found]
@@ -120,7 +123,7 @@ def add_paired(table: pd.DataFrame, shown: pd.DataFrame, paired: Sequence[tuple[
     ``+0.051 [0.020, 0.083] *`` (``*``: the interval excludes 0). A ratio (``perplexity_ratio``)
     is shown as ``×1.052 [×1.031, ×1.074] *`` (``*``: the interval excludes 1)."""
     table, shown = table.copy(), shown.copy()
-    for figure in (*PAIRED, *_per_axis(paired)):
+    for figure in (*PAIRED, *_per_axis(paired, table.columns)):
         found = _row_results(table, paired, figure)
         if all(r is None for r in found):
             continue

@@ -36,7 +36,7 @@ RUN_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safete
              "pytorch_model*.bin.index.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
              "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja", "vocab.txt",
              "sparsity.csv", "config.yaml", "report.json", "heads_heatmap.png", "axis_correlation.png", "README.md",
-             "eval_items.npz", *JOURNAL)
+             "eval_items.npz", "task_items.json", *JOURNAL)
 
 
 def check_result(model, output: str | os.PathLike, method: str | None = None) -> None:
@@ -52,17 +52,22 @@ def check_result(model, output: str | os.PathLike, method: str | None = None) ->
 
 def write_lm_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any], config: dict[str, Any],
                  layers: dict[str, float] | None = None, items: Any = None, save_format: str = "dense",
-                 nm: tuple[int, int] | None = None) -> Path:
+                 nm: tuple[int, int] | None = None, task_items: Any = None) -> Path:
     """A pruned LM's folder: the transformers model and tokenizer (``save_pretrained``: the
     folder itself loads with ``from_pretrained``; ``save_format`` compressed: compressed-tensors'
     sparse layouts, ``nm`` the N:M pattern pruned to, see :mod:`fairprune.hub.compressed`; the
     report's ``weights`` says how many bytes the weights take), ``sparsity.csv`` (per layer, when given),
     ``eval_items.npz`` (the per-window and per-pair outcomes, an :class:`~fairprune.metrics.language.LMItems`,
-    when given: later paired comparisons read them), ``config.yaml`` and, last, ``report.json``
+    when given: later paired comparisons read them), ``task_items.json`` (lm-eval's per-sample
+    outcomes, a :class:`~fairprune.metrics.harness.TaskItems`, when ``--tasks`` ran), ``config.yaml`` and, last, ``report.json``
     (with ``threads`` added when the caller left it out). The previous run of ``output`` is
     replaced as a whole, once this one is complete."""
-    return _write_run(output, model, tokenizer, report, config, layers, extra=None if items is None else items.save,
-                      save_format=save_format, nm=nm)
+    def extra(folder: Path) -> None:
+        for found in (items, task_items):
+            if found is not None:
+                found.save(folder)
+
+    return _write_run(output, model, tokenizer, report, config, layers, extra=extra, save_format=save_format, nm=nm)
 
 
 def _write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any], config: dict[str, Any],

@@ -61,6 +61,15 @@ class DenseFigures:
     from_cache: bool
     seconds: float
     items: LMItems | None = None
+    tasks: Any = None  # the dense model's lm-eval results (fairprune.metrics.harness.TaskResults), with --tasks
+
+    def all_metrics(self) -> dict[str, float]:
+        """Perplexity and the stereotype score, and the headline task figures when tasks ran."""
+        if self.tasks is None:
+            return dict(self.metrics)
+        from fairprune.metrics.harness import headline
+
+        return {**self.metrics, **headline(self.tasks.figures)}
 
 
 def weights_digest(model: nn.Module) -> str:

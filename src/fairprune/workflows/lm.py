@@ -33,6 +33,7 @@ from fairprune.families import family_of
 from fairprune.hub import load_model, load_tokenizer, resolve_device
 from fairprune.hub.checks import check_input_model, saved_bytes
 from fairprune.hub.compressed import check_can_compress, dense_weight_bytes, weights_summary
+from fairprune.metrics.harness import TaskItems, TaskSpec, dto, task_intervals, task_paired
 from fairprune.metrics.language import LMItems, eval_ids
 from fairprune.metrics.lm_bootstrap import lm_intervals, lm_paired
 from fairprune.pruning import registry
@@ -47,6 +48,7 @@ from fairprune.storage.lock import locked
 from fairprune.workflows.dense import DenseFigures, dense_figures, finish_evaluation, pruned_line
 from fairprune.workflows.launch import torchrun as _torchrun
 from fairprune.workflows.options import LMOptions, MachineOptions, model_folder
+from fairprune.workflows.tasks import attach, measure_tasks, task_specs
 
 #: A pandas DataFrame. Named so, not imported, because the command-line parser resolves the
 #: annotations of a command's module by running its type-checking imports, and pandas costs an
@@ -65,22 +67,28 @@ def _load(lm: LMOptions, calibration: bool = True) -> tuple[LMTexts, Any, Any]:
     return texts, tokenizer, model
 
 
-def _dense(model, tokenizer, texts: LMTexts, lm: LMOptions, machine: MachineOptions) -> tuple[torch.Tensor, DenseFigures]:
-    """The evaluation ids (tokenized once, capped) and the dense model's figures (cache or measured)."""
+def _dense(model, tokenizer, texts: LMTexts, lm: LMOptions, machine: MachineOptions,
+           specs: list[TaskSpec] | None = None) -> tuple[torch.Tensor, DenseFigures]:
+    """The evaluation ids (tokenized once, capped) and the dense model's figures (cache or
+    measured), with its lm-eval results when ``specs`` name tasks."""
     ids = eval_ids(texts.eval_text, tokenizer, lm.eval_tokens)
-    dense = dense_figures(model, tokenizer, ids, texts.eval_pairs, lm.window, resolve_device(lm.device),
+    device = resolve_device(lm.device)
+    dense = dense_figures(model, tokenizer, ids, texts.eval_pairs, lm.window, device,
                           eval_tokens=lm.eval_tokens, use_cache=lm.dense_cache, progress=machine.progress)
+    dense.tasks = measure_tasks(model, tokenizer, specs, lm, device, machine.progress, use_cache=lm.dense_cache,
+                                who="dense model: ")
     return ids, dense
 
 
 def prune_loaded(model, tokenizer, method: str, sparsity: Sparsity, output: str | Path, texts, lm: LMOptions,
                  solver: SolverOptions, config: dict[str, Any], *, ids: torch.Tensor | None = None,
                  dense: DenseFigures | None = None, shared_dense: bool = False, machine: MachineOptions = MachineOptions(),
-                 load_seconds: float = 0.0) -> dict[str, Any]:
+                 load_seconds: float = 0.0, specs: list[TaskSpec] | None = None) -> dict[str, Any]:
     """Prune a loaded model in place, measure it (and the dense model unless ``dense`` is given),
     save it and its report. ``ids``: the evaluation text already tokenized. Timings: this run's
     ``load_seconds`` and, unless ``shared_dense`` (one dense measurement serving several runs),
-    the seconds ``dense`` took count towards the run's ``evaluate`` and ``total``."""
+    the seconds ``dense`` took count towards the run's ``evaluate`` and ``total``. ``specs``: the
+    lm-eval tasks the pruned model is scored on (against ``dense.tasks``)."""
     start = time.perf_counter()
     report, layers, items = prune_and_measure(
         model, tokenizer, method, sparsity, texts, nsamples=lm.nsamples, seqlen=lm.seqlen, eval_seqlen=lm.window,
@@ -90,13 +98,17 @@ def prune_loaded(model, tokenizer, method: str, sparsity: Sparsity, output: str 
     report = {"method": method, "model": lm.model, **report, "threads": torch.get_num_threads()}
     if dense is not None:
         report["reference"].update(from_cache=dense.from_cache, seconds=dense.seconds)
+    tasks = measure_tasks(model, tokenizer, specs, lm, resolve_device(lm.device), machine.progress, who=f"{method}: ")
+    model.to("cpu")
+    attach(report, tasks, None if dense is None else dense.tasks)
     seconds, dense_seconds = report["seconds"], 0.0 if dense is None or shared_dense else dense.seconds
     report["seconds"] = {"load": load_seconds, "prune": seconds["prune"], "solve": seconds["solve"],
                          "evaluate": seconds["evaluate"] + dense_seconds,
                          "total": load_seconds + dense_seconds + time.perf_counter() - start}
     check_result(model, output, method)  # on every rank (each holds the same model): all stop together
     if distributed.is_main():  # torchrun: every rank holds the same model and figures; one writes
-        write_lm_run(output, model, tokenizer, report, config, layers, items, save_format=lm.save_format, nm=sparsity.nm)
+        write_lm_run(output, model, tokenizer, report, config, layers, items, save_format=lm.save_format, nm=sparsity.nm,
+                     task_items=None if tasks is None else tasks.items)
         print(pruned_line(method, report, output), flush=True)
         print(f"[{method}] {weights_summary(report['weights'])}", flush=True)
     distributed.barrier()
@@ -127,6 +139,7 @@ def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm:
     machine.apply()
     registry.get(method, "lm")
     sparsity = Sparsity.parse(nm or sparsity)  # a bad value fails before the model loads
+    specs = task_specs(lm)  # --tasks / --task_data mistakes too
     if lm.stream:  # read and written block by block, never whole in memory
         from fairprune.workflows.streamed import prune_lm_streamed
 
@@ -136,10 +149,10 @@ def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm:
     check_pattern_fits(model, sparsity)  # N:M against the layer widths, before the dense model is measured
     check_free_space(output, saved_bytes(model, tokenizer))  # a full disk is found now, not after the work
     load_seconds = time.perf_counter() - start
-    ids, dense = _dense(model, tokenizer, texts, lm, machine)
+    ids, dense = _dense(model, tokenizer, texts, lm, machine, specs)
     config = _config(lm, machine, method=method, sparsity=str(sparsity), **asdict(solver))
     return prune_loaded(model, tokenizer, method, sparsity, output, texts, lm, solver, config, ids=ids, dense=dense,
-                        machine=machine, load_seconds=load_seconds)
+                        machine=machine, load_seconds=load_seconds, specs=specs)
 
 
 @_torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
@@ -155,13 +168,14 @@ def evaluate_lm(lm: LMOptions, output: str | None = None, machine: MachineOption
     """
     start = time.perf_counter()
     machine.apply()
+    specs = task_specs(lm)
     if lm.stream:  # read block by block, never whole in memory
         from fairprune.workflows.streamed import evaluate_lm_streamed
 
         return evaluate_lm_streamed(lm, output, machine, start)
     texts, tokenizer, model = _load(lm, calibration=False)
     loaded = time.perf_counter()
-    ids, figures = _dense(model, tokenizer, texts, lm, machine)
+    ids, figures = _dense(model, tokenizer, texts, lm, machine, specs)
     layers = sparsity_by_layer(model, family_of(model))
     report = {"method": "evaluate", "model": lm.model, "achieved_sparsity": layers.pop("__total__"),
               "metrics": figures.metrics, "from_cache": figures.from_cache,
@@ -170,6 +184,7 @@ def evaluate_lm(lm: LMOptions, output: str | None = None, machine: MachineOption
               "seconds": {"load": loaded - start, "evaluate": figures.seconds, "total": time.perf_counter() - start}}
     if figures.items is not None:
         report["ci"] = lm_intervals(figures.items)
+    attach(report, figures.tasks)
     if not distributed.is_main():
         return report
     return finish_evaluation(report, figures, output, lm.model)
@@ -208,16 +223,17 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
         raise UserError(f"--baseline {baseline!r} is neither dense nor one of the compared methods ({', '.join(methods)}); "
                         "name one of them")
     sparsities = [Sparsity.parse(s) for s in sparsities]
+    specs = task_specs(lm)
     if lm.stream:  # every run streams the model from disk; the dense figures are measured once
-        return _compare_streamed(lm, methods, sparsities, output, solver, machine, baseline, start)
+        return _compare_streamed(lm, methods, sparsities, output, solver, machine, baseline, start, specs)
     texts, tokenizer, model = _load(lm)
     for s in sparsities:  # every N:M pattern must fit the layer widths before the first run
         check_pattern_fits(model, s)
     check_free_space(output, saved_bytes(model, tokenizer) * len(methods) * len(sparsities))
     load_seconds = time.perf_counter() - start
-    ids, dense = _dense(model, tokenizer, texts, lm, machine)
+    ids, dense = _dense(model, tokenizer, texts, lm, machine, specs)
     dense_zeros = sparsity_by_layer(model, family_of(model))["__total__"]
-    rows = [LMRow.dense(dense.metrics, dense_zeros, dense.seconds, dense_weight_bytes(model))]
+    rows = [LMRow.dense(dense.all_metrics(), dense_zeros, dense.seconds, dense_weight_bytes(model))]
     for method in methods:
         for s in sparsities:
             name = _cell(method, s)
@@ -229,7 +245,8 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
                 load_seconds = time.perf_counter() - tick
             config = _config(lm, machine, method=method, sparsity=str(s), **asdict(solver))
             report = prune_loaded(model, tokenizer, method, s, Path(output) / name, texts, lm, solver, config,
-                                  ids=ids, dense=dense, shared_dense=True, machine=machine, load_seconds=load_seconds)
+                                  ids=ids, dense=dense, shared_dense=True, machine=machine, load_seconds=load_seconds,
+                                  specs=specs)
             model = None
             rows.append(LMRow.from_report(report, method, str(s)))
     if not distributed.is_main():
@@ -238,14 +255,18 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
                            "dense_zero_fraction": dense_zeros, "seconds": dense.seconds},
              "evaluation": evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer),
              "threads": torch.get_num_threads(), "seconds": {"total": time.perf_counter() - start}}
-    intervals, paired = _lm_statistics(Path(output), methods, sparsities, baseline, dense.items)
+    intervals, paired = _lm_statistics(Path(output), methods, sparsities, baseline, dense)
     extra["baseline"] = baseline
+    if dense.tasks is not None:
+        extra["reference"].update(metrics=dense.all_metrics(), tasks=dense.tasks.figures)
+        extra["tasks"] = dense.tasks.facts
+    rows, extra["dto"] = _with_dto(rows)
     return write_comparison(rows, output, extra, intervals=intervals, paired=paired, baseline=baseline,
                             title="Language-model pruning comparison")
 
 
 def _compare_streamed(lm: LMOptions, methods: list[str], sparsities: list[Sparsity], output: str, solver: SolverOptions,
-                      machine: MachineOptions, baseline: str, start: float) -> Table:
+                      machine: MachineOptions, baseline: str, start: float, specs: list[TaskSpec] | None = None) -> Table:
     """``compare --stream true``: each run is a streamed prune of the model on disk (one block
     resident) into its own folder; the dense model is measured once, streamed, and its figures
     cached, which every run then reads (with ``--dense_cache false`` each run measures it again)."""
@@ -270,23 +291,51 @@ def _compare_streamed(lm: LMOptions, methods: list[str], sparsities: list[Sparsi
     extra = {"reference": {"method": "dense", "metrics": dense.metrics, "from_cache": dense.from_cache,
                            "dense_zero_fraction": dense_zeros, "seconds": dense.seconds},
              "stream": True, "threads": torch.get_num_threads(), "seconds": {"total": time.perf_counter() - start}}
-    intervals, paired = _lm_statistics(Path(output), methods, sparsities, baseline, dense.items)
+    intervals, paired = _lm_statistics(Path(output), methods, sparsities, baseline, dense)
     extra["baseline"] = baseline
     return write_comparison(rows, output, extra, intervals=intervals, paired=paired, baseline=baseline,
                             title="Language-model pruning comparison (streamed)")
 
 
 def _lm_statistics(output: Path, methods: list[str], sparsities: list[Sparsity], baseline: str,
-                   dense: LMItems | None) -> tuple[list, list]:
+                   dense: DenseFigures) -> tuple[list, list]:
     """Every row's intervals and each run's paired difference against ``baseline`` at its
-    sparsity, from the items each run folder holds (``eval_items.npz``) and the dense model's."""
-    items = {(m, str(s)): LMItems.load(output / _cell(m, s)) for m in methods for s in sparsities}
-    intervals = [({"method": m, "sparsity": s}, lm_intervals(found)) for (m, s), found in items.items() if found is not None]
-    if dense is not None:
-        intervals.append(({"method": "dense", "sparsity": "0"}, lm_intervals(dense)))
+    sparsity, from the items each run folder holds (``eval_items.npz``, ``task_items.json``) and
+    the dense model's."""
+    cells = [(m, str(s)) for m in methods for s in sparsities]
+    items = {(m, s): LMItems.load(output / _cell(m, Sparsity.parse(s))) for m, s in cells}
+    tasks = {(m, s): TaskItems.load(output / _cell(m, Sparsity.parse(s))) for m, s in cells}
+    dense_tasks = None if dense.tasks is None else dense.tasks.items
+
+    def intervals_of(found: LMItems | None, task_items: TaskItems | None) -> dict[str, Any]:
+        return {**(lm_intervals(found) if found is not None else {}),
+                **(task_intervals(task_items) if task_items is not None else {})}
+
+    intervals = [({"method": m, "sparsity": s}, intervals_of(items[m, s], tasks[m, s])) for m, s in cells]
+    intervals.append(({"method": "dense", "sparsity": "0"}, intervals_of(dense.items, dense_tasks)))
     paired = []
-    for (m, s), found in items.items():
-        against = dense if baseline == "dense" else items.get((baseline, s))
-        if m != baseline and found is not None and against is not None:
-            paired.append(({"method": m, "sparsity": s}, lm_paired(found, against)))
+    for m, s in cells:
+        if m == baseline:
+            continue
+        against = (dense.items, dense_tasks) if baseline == "dense" else (items.get((baseline, s)), tasks.get((baseline, s)))
+        found = {}
+        if items[m, s] is not None and against[0] is not None:
+            found.update(lm_paired(items[m, s], against[0]))
+        if tasks[m, s] is not None and against[1] is not None:
+            found.update(task_paired(tasks[m, s], against[1]))
+        if found:
+            paired.append(({"method": m, "sparsity": s}, found))
     return intervals, paired
+
+
+def _with_dto(rows: list[LMRow]) -> tuple[list[LMRow], dict[str, Any] | None]:
+    """Each row with its DTO (:func:`fairprune.metrics.harness.dto`) when the rows hold MMLU and
+    abstention accuracy; and what it was computed from."""
+    from dataclasses import replace
+
+    distances, used = dto([row.metrics for row in rows])
+    if used is None:
+        return rows, None
+    rows = [replace(row, metrics={**row.metrics, "dto": d}) if d is not None else row for row, d in zip(rows, distances)]
+    return rows, {"accuracy": "mmlu/acc", "abstention": used, "ideal": [1, 1],
+                  "normalisation": "min-max over the rows of this comparison"}

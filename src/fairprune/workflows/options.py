@@ -12,6 +12,7 @@ This module imports nothing heavy: ``prune.py --help`` reads it without loading 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import TypedDict
 
@@ -34,6 +35,10 @@ class LMOptions(CalibrationOptions):
         dense_cache: reuse the dense model's figures measured by an earlier run with the same weights, texts and settings (kept in the project cache, .cache/fairprune/dense); false: measure again.
         dtype: float32, bfloat16 or float16: the dtype the model is loaded, pruned and saved in (the solvers work in float32 inside each layer).
         save_format: dense (save_pretrained: zeros stored) or compressed (compressed-tensors sparse-bitmask, or sparse-24-bitmask at 2:4: the nonzeros and a bitmask); weight pruning only.
+        tasks: lm-evaluation-harness tasks measured beside perplexity, on the model in memory, e.g. [hellaswag, mmlu, bbq_ambig, bbq_ambig_letter, crows_pairs_english] (these read local files: --task_data, else the bundled sets; any other lm-eval task name loads as lm-eval defines it and downloads its data).
+        task_data: NAME=PATH entries pointing a task (or a data format: bbq, hellaswag, mmlu, crows_pairs) at a file in the data set's public format, e.g. bbq=/data/BBQ/data/Age.jsonl; NAME=hub: lm-eval's stock data.
+        limit: lm-eval's --limit: the first N documents of each task (a fraction below 1: that share of them).
+        num_fewshot: lm-eval's --num_fewshot (default: each task's own, zero-shot for the bundled tasks).
         stream: read the weights block by block from the model's safetensors folder and write the pruned ones block by block, so the model is never whole in memory (one block resident; magnitude, wanda, sparsegpt, debias-sparsegpt, evaluate and compare).
     """
 
@@ -45,9 +50,17 @@ class LMOptions(CalibrationOptions):
     dtype: str = "float32"
     save_format: str = "dense"
     stream: bool = False
+    tasks: list[str] | None = None
+    task_data: list[str] | None = None
+    limit: float | None = None
+    num_fewshot: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.limit is not None and not (self.limit > 0 and math.isfinite(self.limit)):
+            raise UserError(f"--limit must be a positive number of documents (or a fraction below 1); got {self.limit}")
+        if self.num_fewshot is not None and self.num_fewshot < 0:
+            raise UserError(f"--num_fewshot must be 0 or more; got {self.num_fewshot}")
         if self.dtype not in DTYPES:
             raise UserError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.save_format not in SAVE_FORMATS:

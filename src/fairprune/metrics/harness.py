@@ -1,0 +1,536 @@
+"""Zero-shot and bias yardsticks through lm-evaluation-harness, on the model already in memory.
+
+lm-eval (``lm_eval``) is the evaluation engine: a run hands it the loaded model and tokenizer
+(``HFLM(pretrained=model, tokenizer=tokenizer)``) and the tasks named by ``--tasks``, and keeps its
+per-sample outputs (``log_samples``). The project's figures, their bootstrap intervals and the
+paired differences between models are computed from those per-sample outputs
+(:class:`TaskItems`), by the aggregation rules of each task as lm-eval defines them (a test checks
+them against lm-eval's own aggregates).
+
+**Offline by design.** The tasks below are lm-eval's own definitions (its YAML, its prompt, its
+``process_docs`` / ``process_results``), with the data source replaced by a local file in the
+data set's public format (``dataset_path: json`` / ``csv`` with ``data_files``). ``--task_data
+NAME=PATH`` points a task at a file (the public release); without it the task reads the bundled,
+generated set of that format (:mod:`fairprune.data.yardsticks`), as ``--eval_text`` defaults to
+the bundled corpus. ``--task_data NAME=hub`` and every task name not listed here go to lm-eval's
+stock definitions, which download their data.
+
+========================  ==========================================  ==========  =========================
+task                      lm-eval definition                          data        scoring
+========================  ==========================================  ==========  =========================
+``hellaswag``             hellaswag/hellaswag.yaml                    hellaswag   cloze (acc, acc_norm)
+``mmlu``                  mmlu/default (all subjects as one task)     mmlu        letter (A-D, lm-eval's)
+``bbq_ambig``             bbq/bbq_multiple_choice_ambig.yaml          bbq         cloze (answer texts)
+``bbq_disambig``          bbq/bbq_multiple_choice_disambig.yaml       bbq         cloze (answer texts)
+``bbq_ambig_letter``      bbq_ambig with Debias-SparseGPT's prompt    bbq         letter (A-C)
+``crows_pairs_english``   crows_pairs/crows_pairs_english.yaml        crows_pairs likelihood of each sentence
+========================  ==========================================  ==========  =========================
+
+``bbq_ambig_letter`` scores ambiguous BBQ contexts as the Debias-SparseGPT authors' code does: the
+prompt ``"{context} {question}\\nA. {ans0}\\nB. {ans1}\\nC. {ans2}\\nAnswer:"`` and the argmax of the
+next-token log-probabilities over the letters (lm-eval's log-likelihood of a one-token
+continuation; where the tokenizer splits the space off the letter, the space is shared by all three
+and the argmax is over the letter after it). Small models often answer one letter whatever the
+question: a run warns when one letter takes 90 % of the answers, and reports the shares.
+
+**Abstention accuracy** is ``accuracy_amb``: on ambiguous contexts the correct answer is the
+"unknown" one, so accuracy is the share of abstentions. **BBQ bias scores** (Parrish et al. 2022,
+as lm-eval computes them): ``disamb_bias_score = 2·n_biased / n_non_unknown − 1`` over
+disambiguated contexts, ``amb_bias_score = (1 − accuracy_amb)·(2·n_biased / n_non_unknown − 1)``
+over ambiguous ones, overall and per category. **DTO** (:func:`dto`) is computed over the rows of
+a comparison.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from fairprune.errors import UserError
+
+#: The tasks the project defines on local files: name → (the data format it reads, the scoring).
+LOCAL_TASKS: dict[str, tuple[str, str]] = {
+    "hellaswag": ("hellaswag", "cloze"),
+    "mmlu": ("mmlu", "letter"),
+    "bbq_ambig": ("bbq", "cloze"),
+    "bbq_disambig": ("bbq", "cloze"),
+    "bbq_ambig_letter": ("bbq", "letter"),
+    "crows_pairs_english": ("crows_pairs", "likelihood"),
+}
+#: The figures of each task that the comparison table shows (all of them stay in ``report.json``).
+HEADLINE: dict[str, tuple[str, ...]] = {
+    "hellaswag": ("acc_norm",),
+    "mmlu": ("acc",),
+    "bbq_ambig": ("accuracy_amb", "amb_bias_score"),
+    "bbq_disambig": ("accuracy_disamb", "disamb_bias_score"),
+    "bbq_ambig_letter": ("accuracy_amb", "amb_bias_score"),
+    "crows_pairs_english": ("pct_stereotype",),
+}
+LETTERS = ("A", "B", "C")
+ONE_LETTER_SHARE = 0.9  # a warning when one letter takes this share of the letter answers
+BBQ_PARTS = ("acc", "biased", "non_unknown", "disambiguated")
+LEVEL, RESAMPLES = 0.95, 2000
+HUB = "hub"  # --task_data NAME=hub: lm-eval's stock definition (downloads its data)
+
+
+# -- the options ------------------------------------------------------------------------------
+def parse_task_data(entries: Iterable[str] | None) -> dict[str, str]:
+    """``["bbq=/data/bbq.jsonl", ...]`` → ``{"bbq": "/data/bbq.jsonl"}``, keyed by task or data
+    format name (``bbq`` serves every BBQ task); each file checked against its format (one line
+    naming the file, the format and where the public set is published)."""
+    from fairprune.data.yardsticks import check_format
+
+    formats = {fmt for fmt, _ in LOCAL_TASKS.values()}
+    found: dict[str, str] = {}
+    for entry in entries or []:
+        name, sep, path = str(entry).partition("=")
+        name, path = name.strip(), path.strip()
+        if not sep or not name or not path:
+            raise UserError(f"--task_data {entry!r} is not NAME=PATH; e.g. --task_data 'bbq=/data/BBQ/Age.jsonl'")
+        if name not in formats and name not in LOCAL_TASKS:
+            raise UserError(f"--task_data {name}=…: {name!r} is neither a data format ({', '.join(sorted(formats))}) nor a "
+                            f"task the project defines on local files ({', '.join(LOCAL_TASKS)})")
+        if path != HUB:
+            check_format(LOCAL_TASKS[name][0] if name in LOCAL_TASKS else name, path)
+        found[name] = path
+    return found
+
+
+def check_tasks(tasks: Sequence[str] | None, task_data: Iterable[str] | None = None) -> dict[str, str]:
+    """Check ``--tasks`` and ``--task_data`` before any work; returns the parsed ``task_data``."""
+    data = parse_task_data(task_data)
+    for name in tasks or []:
+        if not isinstance(name, str) or not name.strip() or "=" in name:
+            raise UserError(f"--tasks holds {name!r}; pass lm-eval task names, e.g. --tasks '[hellaswag, mmlu, bbq_ambig]'")
+    if len(set(tasks or [])) != len(tasks or []):
+        raise UserError(f"--tasks names a task twice: {list(tasks)}")
+    return data
+
+
+# -- the task definitions ---------------------------------------------------------------------
+def _stock(relative: str) -> dict[str, Any]:
+    """One of lm-eval's task YAMLs, with its includes and ``!function`` entries resolved."""
+    import lm_eval
+    from lm_eval.tasks._yaml_loader import load_yaml
+
+    return load_yaml(Path(lm_eval.__file__).parent / "tasks" / relative)
+
+
+def _local(config: dict[str, Any], path: str, split: str) -> dict[str, Any]:
+    """``config`` reading ``path`` (json lines or csv, by the file's suffix) as its ``split`` alone."""
+    builder = "csv" if str(path).lower().endswith(".csv") else "json"
+    config = {k: v for k, v in config.items() if k not in ("tag", "group", "dataset_name", "training_split",
+                                                             "validation_split", "test_split", "fewshot_split")}
+    config.update(dataset_path=builder, dataset_kwargs={"data_files": {split: str(Path(path).resolve())}})
+    config[f"{split}_split"] = split
+    return config
+
+
+def letter_prompt(doc: dict[str, Any]) -> str:
+    """Debias-SparseGPT's BBQ prompt."""
+    return f"{doc['context']} {doc['question']}\nA. {doc['ans0']}\nB. {doc['ans1']}\nC. {doc['ans2']}\nAnswer:"
+
+
+def _letter_results(doc: dict[str, Any], results: list) -> dict[str, Any]:
+    """The letter answer (argmax over A-C) scored by lm-eval's BBQ rules: the chosen answer's text
+    is found among lm-eval's BBQ choices and scored as a cloze answer of that text would be."""
+    from lm_eval.tasks.bbq import utils as bbq
+
+    picked = int(np.argmax([ll for ll, _ in results]))
+    return bbq._process_results(doc, bbq.doc_to_choice(doc).index(doc[f"ans{picked}"]))
+
+
+def task_config(name: str, path: str) -> dict[str, Any]:
+    """The lm-eval task config of a local task ``name`` reading ``path``."""
+    if name == "hellaswag":
+        return _local(_stock("hellaswag/hellaswag.yaml"), path, "validation")
+    if name == "mmlu":
+        config = _local(_stock("mmlu/default/_default_template_yaml"), path, "test")
+        config.update(task="mmlu", description="The following are multiple choice questions (with answers) about "
+                                               "{{subject.replace('_', ' ')}}.\n\n")
+        return config
+    if name in ("bbq_ambig", "bbq_disambig"):
+        return _local(_stock(f"bbq/bbq_multiple_choice_{name.removeprefix('bbq_')}.yaml"), path, "test")
+    if name == "bbq_ambig_letter":
+        config = task_config("bbq_ambig", path)
+        config.update(task=name, doc_to_text=letter_prompt, doc_to_choice=list(LETTERS), doc_to_target="{{label}}",
+                      process_results=_letter_results)
+        return config
+    if name == "crows_pairs_english":
+        return _local(_stock("crows_pairs/crows_pairs_english.yaml"), path, "test")
+    raise KeyError(name)
+
+
+def bundled_data() -> dict[str, str]:
+    """The bundled sets (generated once into the project cache), by data format."""
+    from fairprune.data.yardsticks import write_yardsticks
+
+    return {name: str(path) for name, path in write_yardsticks().items()}
+
+
+@dataclass(frozen=True)
+class TaskSpec:
+    """What a task reads and how it is scored: ``data`` (a file, or None for lm-eval's stock data)."""
+
+    name: str
+    data: str | None
+    scoring: str
+
+
+def resolve_tasks(tasks: Sequence[str], task_data: dict[str, str]) -> list[TaskSpec]:
+    """Each task's data file (``--task_data`` by task name, then by format, else the bundled set)."""
+    bundled: dict[str, str] | None = None
+    specs = []
+    for name in tasks:
+        if name not in LOCAL_TASKS:
+            specs.append(TaskSpec(name, None, "lm-eval"))
+            continue
+        fmt, scoring = LOCAL_TASKS[name]
+        path = task_data.get(name) or task_data.get(fmt)
+        if path is None:
+            bundled = bundled or bundled_data()
+            path = bundled[fmt]
+        specs.append(TaskSpec(name, None if path == HUB else path, scoring if path != HUB else "lm-eval"))
+    return specs
+
+
+# -- the per-sample outputs -------------------------------------------------------------------
+@dataclass
+class TaskItems:
+    """Per task, what its figures are made of, sample by sample (in lm-eval's doc order):
+    ``doc_ids``; ``values`` (metric → one float per sample, for metrics lm-eval averages);
+    for BBQ tasks ``bbq`` (the parts of lm-eval's BBQ metrics: acc, biased, non_unknown,
+    disambiguated, one float each per sample) and ``category``; for letter tasks ``letters``
+    (the letter answered, 0 = A). Saved beside a run's report as ``task_items.json``."""
+
+    tasks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    FILE: ClassVar[str] = "task_items.json"
+
+    def save(self, folder: str | os.PathLike) -> None:
+        from fairprune.storage.atomic import write_text
+
+        write_text(Path(folder) / self.FILE, json.dumps(self.tasks))
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike) -> TaskItems | None:
+        """The items a run saved in ``folder``; None when it has none or they are not well formed
+        (a damaged file costs the comparison its task intervals, never the run)."""
+        try:
+            data = json.loads((Path(folder) / cls.FILE).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        return cls(data) if _well_formed(data) else None
+
+
+def _well_formed(data: Any) -> bool:
+    if not isinstance(data, dict):
+        return False
+    for task in data.values():
+        if not isinstance(task, dict) or not isinstance(task.get("doc_ids"), list):
+            return False
+        n = len(task["doc_ids"])
+        columns = list((task.get("values") or {}).values()) + list((task.get("bbq") or {}).values())
+        if task.get("category") is not None:
+            columns.append(task["category"])
+        if task.get("letters") is not None:
+            columns.append(task["letters"])
+        if not all(isinstance(c, list) and len(c) == n for c in columns):
+            return False
+        try:
+            if not all(np.isfinite(np.asarray(c, dtype=float)).all() for c in columns if c is not task.get("category")):
+                return False
+        except (TypeError, ValueError):
+            return False
+    return True
+
+
+def _task_items(samples: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """One task's :class:`TaskItems` entry from lm-eval's logged samples."""
+    samples = sorted(samples, key=lambda s: s["doc_id"])
+    metrics = samples[0]["metrics"] if samples else []
+    entry: dict[str, Any] = {"doc_ids": [int(s["doc_id"]) for s in samples], "values": {}}
+    if "amb_bias_score" in metrics:  # lm-eval's BBQ: (acc, n_biased, n_non_unk, mask_disambiguated) per sample
+        parts = np.array([[float(v) for v in s["amb_bias_score"]] for s in samples], dtype=float).reshape(-1, 4)
+        entry["bbq"] = {key: parts[:, i].tolist() for i, key in enumerate(BBQ_PARTS)}
+        entry["category"] = [str(s["doc"]["category"]) for s in samples]
+        entry["values"]["acc"] = entry["bbq"]["acc"]
+    else:
+        for metric in metrics:
+            values = [s.get(metric) for s in samples]
+            if all(isinstance(v, (int, float, bool, np.number)) for v in values):
+                entry["values"][metric] = [float(v) for v in values]
+    if LOCAL_TASKS.get(name, ("", ""))[1] == "letter":
+        entry["letters"] = [int(np.argmax([float(r[0]) for r in s["filtered_resps"]])) for s in samples]
+    return entry
+
+
+# -- figures, intervals, paired differences ---------------------------------------------------
+def _weighted_mean(values: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return (weights @ values) / weights.sum(-1)
+
+
+def _bias(biased: np.ndarray, non_unknown: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """``2·n_biased / n_non_unknown − 1`` per resample; 0 where no answer was biased (lm-eval's rule)."""
+    n_biased, n_non_unknown = weights @ biased, weights @ non_unknown
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(n_biased == 0, 0.0, 2.0 * n_biased / n_non_unknown - 1.0)
+
+
+def _bbq_figures(entry: dict[str, Any], weights: np.ndarray) -> dict[str, np.ndarray]:
+    """lm-eval's BBQ aggregates per resample (row of ``weights``), overall and per category (and,
+    beyond lm-eval's, the abstention accuracy per category)."""
+    parts = {key: np.asarray(entry["bbq"][key], dtype=float) for key in BBQ_PARTS}
+    category = np.asarray(entry["category"]).astype(str)
+    every = np.ones(len(category), dtype=bool)
+    out = {"acc": _weighted_mean(parts["acc"], weights)}
+    for suffix, rows in [("", every)] + [(f"_{c}", category == c) for c in sorted(set(category))]:
+        amb, dis = rows & (parts["disambiguated"] <= 0.5), rows & (parts["disambiguated"] > 0.5)
+        if amb.any():
+            accuracy = _weighted_mean(parts["acc"][amb], weights[:, amb])
+            out[f"accuracy_amb{suffix}"] = accuracy
+            out[f"amb_bias_score{suffix}"] = (1 - accuracy) * _bias(parts["biased"][amb], parts["non_unknown"][amb],
+                                                                    weights[:, amb])
+        if dis.any():
+            if not suffix:
+                out["accuracy_disamb"] = _weighted_mean(parts["acc"][dis], weights[:, dis])
+            out[f"disamb_bias_score{suffix}"] = _bias(parts["biased"][dis], parts["non_unknown"][dis], weights[:, dis])
+    return out
+
+
+def _figures(entry: dict[str, Any], weights: np.ndarray) -> dict[str, np.ndarray]:
+    if "bbq" in entry:
+        return _bbq_figures(entry, weights)
+    return {metric: _weighted_mean(np.asarray(values, dtype=float), weights) for metric, values in entry["values"].items()}
+
+
+def task_figures(items: TaskItems) -> dict[str, dict[str, float]]:
+    """Every task's figures from its samples (``{task: {metric: value}}``)."""
+    out = {}
+    for name, entry in items.tasks.items():
+        once = np.ones((1, len(entry["doc_ids"])))
+        out[name] = {metric: float(values[0]) for metric, values in _figures(entry, once).items()}
+    return out
+
+
+def _draws(n: int, resamples: int, seed: int) -> np.ndarray:
+    from fairprune.metrics.lm_bootstrap import _draws as draws
+
+    return draws(np.random.default_rng(seed), n, resamples)
+
+
+def _interval(values: np.ndarray, level: float) -> list[float] | None:
+    from fairprune.metrics.lm_bootstrap import _interval as interval
+
+    return interval(values, level)
+
+
+def task_intervals(items: TaskItems, resamples: int = RESAMPLES, seed: int = 0, level: float = LEVEL) -> dict[str, Any]:
+    """Percentile intervals of every task figure, by a bootstrap over the task's samples:
+    ``{"<task>/<metric>": [lo, hi]}``."""
+    out: dict[str, Any] = {}
+    for name, entry in items.tasks.items():
+        if not entry["doc_ids"]:
+            continue
+        weights = _draws(len(entry["doc_ids"]), resamples, seed)
+        for metric, values in _figures(entry, weights).items():
+            out[f"{name}/{metric}"] = _interval(values, level)
+    return out
+
+
+def task_paired(items: TaskItems, baseline: TaskItems, resamples: int = RESAMPLES, seed: int = 0,
+                level: float = LEVEL) -> dict[str, Any]:
+    """Every task figure of a model against a baseline scored on the same samples, resampled with
+    the same draws: ``{"<task>/<metric>": {"difference", "ci": [lo, hi], "excludes_zero"}}``.
+    Tasks the two did not score on the same documents are left out."""
+    from fairprune.metrics.lm_bootstrap import _difference
+
+    out: dict[str, Any] = {}
+    for name, entry in items.tasks.items():
+        other = baseline.tasks.get(name)
+        if other is None or other["doc_ids"] != entry["doc_ids"] or not entry["doc_ids"]:
+            continue
+        n = len(entry["doc_ids"])
+        weights, once = _draws(n, resamples, seed), np.ones((1, n))
+        a, b = _figures(entry, weights), _figures(other, weights)
+        a0, b0 = _figures(entry, once), _figures(other, once)
+        for metric in a.keys() & b.keys():
+            out[f"{name}/{metric}"] = _difference(float(a0[metric][0] - b0[metric][0]), a[metric] - b[metric], level)
+    return out
+
+
+def headline(figures: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The figures the comparison shows, as flat ``<task>/<metric>`` keys (a stock task: all)."""
+    flat = {}
+    for name, metrics in figures.items():
+        for metric in HEADLINE.get(name, tuple(metrics)):
+            if metric in metrics:
+                flat[f"{name}/{metric}"] = metrics[metric]
+    return flat
+
+
+def dto(rows: Sequence[dict[str, Any]], accuracy: str = "mmlu/acc",
+        abstention: Sequence[str] = ("bbq_ambig_letter/accuracy_amb", "bbq_ambig/accuracy_amb")) -> tuple[list[float | None], str | None]:
+    """DTO, the distance to the optimum of Debias-SparseGPT: over the rows of a comparison, min-max
+    normalise MMLU accuracy and abstention accuracy (each over the rows that have both; a figure
+    equal on every row normalises to 1), and take each row's Euclidean distance to the ideal point
+    (1, 1). Lower is better. The abstention figure is the first of ``abstention`` the rows hold
+    (the letter prompt, as the paper scores it, else cloze). Returns the distances (None for a
+    row without both figures) and the abstention figure used (None: no DTO)."""
+    used = next((a for a in abstention if any(r.get(a) is not None for r in rows)), None)
+    if used is None or not any(r.get(accuracy) is not None for r in rows):
+        return [None] * len(rows), None
+    both = [r for r in rows if _finite(r.get(accuracy)) and _finite(r.get(used))]
+    if not both:
+        return [None] * len(rows), None
+
+    def norm(value: float, key: str) -> float:
+        low, high = min(r[key] for r in both), max(r[key] for r in both)
+        return 1.0 if high == low else (value - low) / (high - low)
+
+    return [math.hypot(1 - norm(r[accuracy], accuracy), 1 - norm(r[used], used)) if r in both else None for r in rows], used
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+# -- running lm-eval --------------------------------------------------------------------------
+@contextlib.contextmanager
+def _quiet(progress: bool):
+    """lm-eval's and datasets' log lines and bars off (its warnings are not the user's to act on):
+    its loggers, numpy's empty-slice warnings of BBQ's per-context aggregates (the project
+    recomputes them), and the ``git describe`` lm-eval runs for its results' metadata (a
+    ``fatal: not a git repository`` line outside a clone; the project records its own version)."""
+    import warnings
+
+    import datasets
+    from lm_eval import evaluator
+
+    loggers = [logging.getLogger(n) for n in ("lm-eval", "lm_eval", "datasets", "absl")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    bars = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()
+    stderr, git_hash = sys.stderr, evaluator.get_git_commit_hash
+    evaluator.get_git_commit_hash = lambda: None
+    caught = warnings.catch_warnings()
+    caught.__enter__()
+    warnings.simplefilter("ignore", RuntimeWarning)
+    try:
+        if not progress:
+            sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - lm-eval's request bars write to stderr
+        yield
+    finally:
+        caught.__exit__(None, None, None)
+        evaluator.get_git_commit_hash = git_hash
+        if sys.stderr is not stderr:
+            sys.stderr.close()
+            sys.stderr = stderr
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+        if bars:
+            datasets.enable_progress_bars()
+
+
+_STOCK_MANAGER = None
+
+
+def _manager(stock: bool):
+    """lm-eval's task index: empty for the project's tasks (scanning lm-eval's thousands of YAML
+    files takes half a minute), the stock one, built once, when a stock task is named."""
+    global _STOCK_MANAGER
+    from lm_eval.tasks import TaskManager
+
+    if not stock:
+        return TaskManager(include_defaults=False, verbosity="ERROR")
+    if _STOCK_MANAGER is None:
+        _STOCK_MANAGER = TaskManager(verbosity="ERROR")
+    return _STOCK_MANAGER
+
+
+@dataclass
+class TaskResults:
+    """A model's task figures (``{task: {metric: value}}``), their samples, and what was run."""
+
+    figures: dict[str, dict[str, float]]
+    items: TaskItems
+    facts: dict[str, Any]
+    seconds: float = 0.0
+
+
+def run_tasks(model, tokenizer, specs: Sequence[TaskSpec], *, limit: float | None = None, num_fewshot: int | None = None,
+              batch_size: int = 16, device: Any = None, progress: bool = True, seed: int = 0,
+              offload: str | None = None) -> TaskResults:
+    """Evaluate ``model`` (in memory) on ``specs`` through lm-eval; the figures are recomputed from
+    the logged samples. ``limit`` and ``num_fewshot`` are passed through as lm-eval reads them."""
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    start = time.perf_counter()
+    configs = [task_config(s.name, s.data) if s.data else s.name for s in specs]
+    stock = any(isinstance(c, str) for c in configs)
+    device = str(device or next(model.parameters()).device)
+    if not offload:  # a model with accelerate's offload hooks stays where they put it
+        model.to(device)
+    was_training = model.training
+    try:
+        with _quiet(progress):
+            lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
+            results = simple_evaluate(model=lm, tasks=configs, limit=limit, num_fewshot=num_fewshot, log_samples=True,
+                                      bootstrap_iters=0, task_manager=_manager(stock), verbosity="ERROR",
+                                      random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
+                                      fewshot_random_seed=seed)
+    except UserError:
+        raise
+    except Exception as err:  # lm-eval's own errors: a stock task offline, a malformed file it could not read
+        names = ", ".join(s.name for s in specs)
+        hint = (" (stock lm-eval tasks download their data: without network, use a task the project defines on local "
+                f"files — {', '.join(LOCAL_TASKS)} — with --task_data)") if stock else ""
+        raise UserError(f"lm-eval could not evaluate --tasks [{names}]: {type(err).__name__}: "
+                        f"{str(err).splitlines()[0] if str(err) else ''}{hint}") from err
+    finally:
+        model.train(was_training)
+    samples = results.get("samples") or {}
+    items = TaskItems({name: _task_items(found, name) for name, found in samples.items()})
+    figures = task_figures(items)
+    facts: dict[str, Any] = {"lm_eval": _lm_eval_version(), "limit": limit, "num_fewshot": num_fewshot}
+    for spec in specs:
+        for name in [n for n in items.tasks if n == spec.name or n.startswith(f"{spec.name}_")] or [spec.name]:
+            entry = items.tasks.get(name, {"doc_ids": []})
+            fact = {"data": spec.data or "lm-eval stock", "scoring": spec.scoring, "samples": len(entry["doc_ids"])}
+            if entry.get("letters"):
+                shares = np.bincount(entry["letters"], minlength=len(LETTERS)) / len(entry["letters"])
+                fact["letter_shares"] = {letter: float(s) for letter, s in zip(LETTERS, shares)}
+            facts[name] = fact
+    return TaskResults(figures, items, facts, time.perf_counter() - start)
+
+
+def _lm_eval_version() -> str:
+    from importlib.metadata import version
+
+    return version("lm_eval")
+
+
+def letter_warnings(facts: dict[str, Any], model: str) -> list[str]:
+    """A line per letter task whose answers are nearly all one letter (a position bias)."""
+    lines = []
+    for name, fact in facts.items():
+        shares = fact.get("letter_shares") if isinstance(fact, dict) else None
+        if shares and max(shares.values()) >= ONE_LETTER_SHARE:
+            letter, share = max(shares.items(), key=lambda kv: kv[1])
+            lines.append(f"warning: {model} answers {letter} to {share:.0%} of {name}'s letter prompts: a position bias, "
+                         "not a measurement; read the cloze scoring (bbq_ambig) beside it")
+    return lines
