@@ -17,7 +17,7 @@ import random
 from pathlib import Path
 from typing import NamedTuple
 
-from fairprune.data.files import read_text, read_user_csv
+from fairprune.data.files import Chats, read_calib_text, read_text, read_user_csv
 from fairprune.data.text import lm_corpus, stereo_pairs
 from fairprune.errors import UserError
 
@@ -56,19 +56,35 @@ def direction(pair) -> str:
 
 
 def read_stereoset(path: str | Path) -> list[Pair]:
-    """(stereotype, anti-stereotype) pairs from StereoSet JSON ``data.intrasentence[*].sentences[*]``."""
+    """(stereotype, anti-stereotype) pairs from StereoSet's JSON (the official ``dev.json``):
+    ``{"version", "data": {"intrasentence": [{"id", "target", "bias_type", "context", "sentences":
+    [{"sentence", "id", "labels", "gold_label"}, ...]}, ...], "intersentence": [...]}}``. Each
+    intrasentence item gives one pair: its sentence whose ``gold_label`` is ``stereotype`` and the
+    one whose ``gold_label`` is ``anti-stereotype`` (the ``unrelated`` one is not used; the
+    intersentence part is not read). A missing part or an item without exactly one of each is a
+    one-line :class:`UserError` naming the item."""
     data = _read_json(path)
-    items = data.get("data", {}).get("intrasentence") if isinstance(data, dict) else None
+    part = data.get("data") if isinstance(data, dict) else None
+    items = part.get("intrasentence") if isinstance(part, dict) else None
     if not isinstance(items, list) or not items:
-        raise UserError(f"{path}: no 'data.intrasentence' list; expected StereoSet intrasentence JSON")
+        raise UserError(f"{path}: no 'data.intrasentence' list; expected StereoSet intrasentence JSON "
+                        '({"data": {"intrasentence": [{"id", "sentences": [{"sentence", "gold_label"}, ...]}, ...]}})')
     pairs = []
     for k, item in enumerate(items):
+        name = f"intrasentence item {k}" + (f" (id {item['id']!r})" if isinstance(item, dict) and "id" in item else "")
         sentences = item.get("sentences") if isinstance(item, dict) else None
-        by_label = {s.get("gold_label"): s.get("sentence") for s in sentences or [] if isinstance(s, dict)}
-        stereo, anti = by_label.get("stereotype"), by_label.get("anti-stereotype")
-        if not (isinstance(stereo, str) and isinstance(anti, str)):
-            raise UserError(f"{path}: intrasentence item {k} lacks a 'stereotype' or 'anti-stereotype' sentence (gold_label)")
-        pairs.append(Pair(stereo, anti, "stereo"))
+        if not isinstance(sentences, list):
+            raise UserError(f"{path}: {name} has no 'sentences' list; each item lists its sentences with their gold_label")
+        by_label: dict[str, list] = {}
+        for s in sentences:
+            if isinstance(s, dict):
+                by_label.setdefault(s.get("gold_label"), []).append(s.get("sentence"))
+        stereo, anti = by_label.get("stereotype", []), by_label.get("anti-stereotype", [])
+        if len(stereo) != 1 or len(anti) != 1 or not all(isinstance(t, str) and t for t in stereo + anti):
+            found = f"{len(stereo)} stereotype and {len(anti)} anti-stereotype sentence(s)"
+            raise UserError(f"{path}: {name} has {found}; each item needs exactly one 'stereotype' and one "
+                            "'anti-stereotype' sentence (gold_label) with its text")
+        pairs.append(Pair(stereo[0], anti[0], "stereo"))
     return pairs
 
 def read_crows_pairs(path: str | Path) -> list[Pair]:
@@ -102,6 +118,8 @@ def _read_json(path: str | Path):
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise UserError(f"StereoSet file not found: {path}") from None
+    except IsADirectoryError:
+        raise UserError(f"StereoSet file {path} is a directory; give the JSON file itself (e.g. dev.json)") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise UserError(f"{path}: not valid JSON ({err}); expected StereoSet intrasentence JSON") from None
 
@@ -119,7 +137,7 @@ def split_pairs(pairs: list[tuple[str, str]], seed: int) -> tuple[list, list]:
 class LMTexts(NamedTuple):
     """What an LM command calibrates and measures on."""
 
-    calib_text: str
+    calib_text: str | Chats  # plain text, or chat rows rendered with the tokenizer (data.text.calibration_ids)
     eval_text: str
     calib_pairs: list
     eval_pairs: list
@@ -128,8 +146,14 @@ class LMTexts(NamedTuple):
 def lm_texts(calib_text: str | None = None, eval_text: str | None = None, pairs: str | None = None,
              seed: int = 0) -> LMTexts:
     """Calibration text, evaluation text and the two pair halves; the bundled corpus and pairs
-    stand in for what is not given (files or folders of ``*.txt``; StereoSet / CrowS-Pairs)."""
+    stand in for what is not given (files or folders of ``*.txt``; StereoSet / CrowS-Pairs).
+
+    ``calib_text`` may also be chat data in UltraChat's jsonl form (``.jsonl``, or a file whose lines
+    are such rows): it is returned as :class:`~fairprune.data.files.Chats` and rendered, one text per
+    row, with the tokenizer's chat template where the calibration windows are drawn
+    (:func:`fairprune.data.text.calibration_ids`). For debias-sparsegpt these windows are the unpaired
+    data (plain XXᵀ) beside the calibration pairs."""
     bundled = lm_corpus() if calib_text is None or eval_text is None else None
-    calib = read_text(calib_text) if calib_text else bundled.train
+    calib = read_calib_text(calib_text) if calib_text else bundled.train
     evaluation = read_text(eval_text) if eval_text else bundled.validation
     return LMTexts(calib, evaluation, *split_pairs(read_pairs(pairs) if pairs else stereo_pairs(), seed))

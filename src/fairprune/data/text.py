@@ -12,7 +12,8 @@
   ("The nurse said that she ..." vs "... he ...") in StereoSet intrasentence JSON format,
   gender stereotypes after the WinoBias occupation lists.
 * :func:`train_bpe_tokenizer` — a byte-level BPE tokenizer as a transformers tokenizer.
-* :func:`calibration_ids` / :func:`paired_ids` — calibration batches for post-training pruning.
+* :func:`calibration_ids` / :func:`paired_ids` — calibration batches for post-training pruning
+  (from plain text, or from chat rows rendered with the tokenizer's chat template: :func:`render_chats`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import NamedTuple
 
 import torch
 
+from fairprune.data.files import Chats
 from fairprune.errors import UserError
 from fairprune.hub import cache_dir
 
@@ -324,9 +326,49 @@ def join_documents(text: str | Iterable[str]) -> str:
     return text if isinstance(text, str) else "\n\n".join(text)
 
 
-def calibration_ids(tokenizer, text: str | Iterable[str], nsamples: int, seqlen: int, seed: int = 0) -> torch.Tensor:
-    """``nsamples`` random windows of ``seqlen`` tokens from the tokenized text, as [nsamples, seqlen]."""
-    ids = tokenizer(join_documents(text), return_tensors="pt", verbose=False).input_ids[0]
+def render_chats(tokenizer, chats: Chats) -> list[str]:
+    """One calibration text per chat row: the tokenizer's chat template applied to the row's
+    messages (``apply_chat_template(messages, tokenize=False)``) when the tokenizer has one, else
+    the messages' contents joined by newlines. A row the template refuses (one that requires
+    alternating roles, say) is a one-line :class:`UserError` naming the file and line."""
+    if not getattr(tokenizer, "chat_template", None):
+        return ["\n".join(message["content"] for message in messages) for messages in chats]
+    texts = []
+    for messages, line in zip(chats, chats.lines):
+        try:
+            texts.append(tokenizer.apply_chat_template(messages, tokenize=False))
+        except Exception as err:  # jinja2's TemplateError (raise_exception in the template) and the like
+            reason = (str(err).splitlines() or [""])[0]
+            raise UserError(f"{chats.source}: line {line}: the tokenizer's chat template refused this row "
+                            f"({type(err).__name__}: {reason}); fix or drop the row") from None
+    return texts
+
+
+def render_calib_text(tokenizer, text: str | Chats) -> str | list[str]:
+    """``--calib_text`` as text for a caller that tokenizes documents itself (FASP's perplexity
+    text): plain text as it is, chat rows rendered one text per row (:func:`render_chats`)."""
+    return render_chats(tokenizer, text) if isinstance(text, Chats) else text
+
+
+def calibration_stream(tokenizer, text: str | Iterable[str] | Chats) -> torch.Tensor:
+    """The token ids calibration windows are drawn from. Plain text (or documents): tokenized whole,
+    documents joined by a blank line. Chat rows (:class:`~fairprune.data.files.Chats`): each row
+    rendered by :func:`render_chats`; with a chat template each rendered row is tokenized without
+    added special tokens (the template writes its own, as ``apply_chat_template`` does) and the rows
+    follow one another; without one the rows are documents like plain text."""
+    if isinstance(text, Chats):
+        rendered = render_chats(tokenizer, text)
+        if not getattr(tokenizer, "chat_template", None):
+            return calibration_stream(tokenizer, rendered)
+        rows = tokenizer(rendered, add_special_tokens=False, verbose=False).input_ids
+        return torch.tensor([token for row in rows for token in row], dtype=torch.long)
+    return tokenizer(join_documents(text), return_tensors="pt", verbose=False).input_ids[0]
+
+
+def calibration_ids(tokenizer, text: str | Iterable[str] | Chats, nsamples: int, seqlen: int, seed: int = 0) -> torch.Tensor:
+    """``nsamples`` random windows of ``seqlen`` tokens from the tokenized text (or rendered chat
+    rows, see :func:`calibration_stream`), as [nsamples, seqlen]."""
+    ids = calibration_stream(tokenizer, text)
     if nsamples < 1 or seqlen < 1:
         raise UserError(f"nsamples and seqlen must be positive, got {nsamples} and {seqlen}")
     if len(ids) < seqlen:

@@ -84,7 +84,9 @@ class HeadOptions:
         axis: bias axis (gender_and_sex, race_ethnicity, ...) or 'all'.
         scorer: 'auto' (jigsaw if toxic-comment-classifier is installed, else lexicon), 'jigsaw' or
             'jigsaw:<label>' (offline Jigsaw classifier), 'lexicon' (bundled) or an HF classifier name or folder.
-        prompts: HolisticBias-format CSV (text,axis,bucket,descriptor); default bundled.
+        prompts: HolisticBias-format CSV (text,axis,bucket,descriptor), or a HolisticBias release folder
+            (descriptors.json, nouns.json, sentence_templates.json: 10 seeded templates per descriptor, the
+            descriptors as subgroups); default bundled.
         max_new_tokens: length of each generated continuation.
         max_batch: rows per forward pass when many head configurations are scored together
             (windows or prompts × configurations); null = chosen from the free memory.
