@@ -245,6 +245,15 @@ def _lm_results(report: Mapping[str, Any], config: Mapping[str, Any], kind: str)
                                   **_texts(config, "pairs", "fairprune bundled stereotype pairs", "fairprune-pairs"),
                                   metric_type="stereotype_score", metric_name="stereotype score (0.5: no preference)",
                                   metric_value=stereotype))
+    tasks = _mapping(report.get("tasks"))
+    for key, value in metrics.items():  # lm-eval figures, ``<task>/<metric>``: named as lm-eval names them
+        task, slash, metric = key.partition("/")
+        facts = _mapping(_mapping(tasks.get("facts")).get(task))
+        if slash and task != "bias" and _number(value) is not None:
+            data = str(facts.get("data") or "lm-eval stock data")
+            results.append(EvalResult(task_type="text-generation", task_name=task, dataset_name=data, dataset_type=task,
+                                      metric_type=metric, metric_name=f"{metric} ({facts.get('scoring', 'lm-eval')} scoring)",
+                                      metric_value=_number(value)))
     for axis, _ in _mapping(fairness.get("bias")).items():
         value = _figure(_mapping(fairness.get("bias")), axis)[0]
         if value is not None:

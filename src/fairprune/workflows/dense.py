@@ -209,6 +209,8 @@ def finish_evaluation(report: dict[str, Any], figures: DenseFigures, output: Any
         Path(output).mkdir(parents=True, exist_ok=True)
         if figures.items is not None:
             figures.items.save(output)
+        if figures.tasks is not None:
+            figures.tasks.items.save(output)
         write_json(Path(output) / "report.json", report)
     cached = " (from the cache)" if figures.from_cache else ""
     print(f"[evaluate] {model}: perplexity {report['metrics']['perplexity']:.2f}{ci_text(report, 'perplexity', '.2f')}, "

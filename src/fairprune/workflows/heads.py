@@ -17,8 +17,9 @@ from typing import Any
 import pandas as pd
 
 from fairprune import distributed
-from fairprune.data.files import read_text
+from fairprune.data.files import read_calib_text, read_text
 from fairprune.data.prompts import read_prompts
+from fairprune.data.text import render_calib_text
 from fairprune.errors import UserError
 from fairprune.hub import load_model, load_tokenizer, resolve_device
 from fairprune.hub.checks import check_input_model, saved_bytes
@@ -44,7 +45,7 @@ def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alph
     check_free_space(output, saved_bytes(model, tokenizer))
     model = model.to(resolve_device(lm.device))
     prompts = read_prompts(heads.prompts) if heads.prompts else None
-    scoring_text = read_text(lm.calib_text) if lm.calib_text else None
+    scoring_text = render_calib_text(tokenizer, read_calib_text(lm.calib_text)) if lm.calib_text else None
     eval_text = read_text(lm.eval_text) if lm.eval_text else None
     result = run_fasp(model, tokenizer, prompts, scoring_text, method, heads.gamma, alpha, heads.axis, heads.scorer,
                       output, eval_text=eval_text, generation=Generation(max_new_tokens=heads.max_new_tokens, seed=lm.seed),

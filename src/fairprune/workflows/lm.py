@@ -68,15 +68,14 @@ def _load(lm: LMOptions, calibration: bool = True) -> tuple[LMTexts, Any, Any]:
 
 
 def _dense(model, tokenizer, texts: LMTexts, lm: LMOptions, machine: MachineOptions,
-           specs: list[TaskSpec] | None = None) -> tuple[torch.Tensor, DenseFigures]:
+           specs: list[TaskSpec] | None = None, who: str = "dense model: ") -> tuple[torch.Tensor, DenseFigures]:
     """The evaluation ids (tokenized once, capped) and the dense model's figures (cache or
     measured), with its lm-eval results when ``specs`` name tasks."""
     ids = eval_ids(texts.eval_text, tokenizer, lm.eval_tokens)
     device = resolve_device(lm.device)
     dense = dense_figures(model, tokenizer, ids, texts.eval_pairs, lm.window, device,
                           eval_tokens=lm.eval_tokens, use_cache=lm.dense_cache, progress=machine.progress)
-    dense.tasks = measure_tasks(model, tokenizer, specs, lm, device, machine.progress, use_cache=lm.dense_cache,
-                                who="dense model: ")
+    dense.tasks = measure_tasks(model, tokenizer, specs, lm, device, machine.progress, use_cache=lm.dense_cache, who=who)
     return ids, dense
 
 
@@ -175,7 +174,7 @@ def evaluate_lm(lm: LMOptions, output: str | None = None, machine: MachineOption
         return evaluate_lm_streamed(lm, output, machine, start)
     texts, tokenizer, model = _load(lm, calibration=False)
     loaded = time.perf_counter()
-    ids, figures = _dense(model, tokenizer, texts, lm, machine, specs)
+    ids, figures = _dense(model, tokenizer, texts, lm, machine, specs, who="")
     layers = sparsity_by_layer(model, family_of(model))
     report = {"method": "evaluate", "model": lm.model, "achieved_sparsity": layers.pop("__total__"),
               "metrics": figures.metrics, "from_cache": figures.from_cache,

@@ -91,7 +91,7 @@ def measure_tasks(model, tokenizer, specs: list[TaskSpec] | None, lm, device, pr
         if items is not None:
             if progress:
                 print(f"[tasks] {who}figures from the cache ({_cache_path(key)})", flush=True)
-            return TaskResults(task_figures(items), items, stored.get("facts") or {}, 0.0)
+            return TaskResults(task_figures(items), items, stored.get("facts") or {}, 0.0, from_cache=True)
     if progress:
         print(f"[tasks] {who}lm-eval: {', '.join(s.name for s in specs)} ...", flush=True)
     results = run_tasks(model, tokenizer, specs, limit=lm.limit, num_fewshot=lm.num_fewshot, device=device,
@@ -112,7 +112,8 @@ def attach(report: dict[str, Any], results: TaskResults | None, dense: TaskResul
     """Fold a model's task results (and the dense model's, as its reference) into its report."""
     if results is None:
         return
-    report["tasks"] = {"figures": results.figures, "facts": results.facts, "seconds": results.seconds}
+    report["tasks"] = {"figures": results.figures, "facts": results.facts, "seconds": results.seconds,
+                       "from_cache": results.from_cache}
     report.setdefault("metrics", {}).update(headline(results.figures))
     report.setdefault("ci", {}).update(task_intervals(results.items))
     report.setdefault("seconds", {})["tasks"] = results.seconds
@@ -120,5 +121,6 @@ def attach(report: dict[str, Any], results: TaskResults | None, dense: TaskResul
         reference = report["reference"]
         reference.setdefault("metrics", {}).update(headline(dense.figures))
         reference["tasks"] = dense.figures
+        reference["tasks_from_cache"] = dense.from_cache
         reference.setdefault("ci", {}).update(task_intervals(dense.items))
         report.setdefault("paired", {"baseline": "dense"}).update(task_paired(results.items, dense.items))

@@ -87,13 +87,19 @@ def load_trained(ckpt: str | Path, data_overrides: dict[str, Any] | None = None)
     return model, data
 
 
+def _checkpoint_file(ckpt: str) -> str | None:
+    """The checkpoint a run reads, which its output must not replace (a folder given as ``--ckpt``
+    is refused later, with the checkpoints it holds named)."""
+    return ckpt if Path(ckpt).is_file() else None
+
+
 def _run_folder(output: str, name: str | None, pruning: dict[str, Any], **_: Any) -> Path:
     """``<output>/<name>``, the folder a ``prune.py vision`` run writes (and locks)."""
     method = (pruning or {}).get("method", inspect.signature(IterativePruning).parameters["method"].default)
     return Path(output) / (name or method)
 
 
-@locked(_run_folder, reads=lambda ckpt, **_: ckpt)
+@locked(_run_folder, reads=lambda ckpt, **_: _checkpoint_file(ckpt))
 def prune_vision(
     ckpt: str,
     pruning: dict[str, Any],
@@ -305,7 +311,7 @@ def _compare_folders(output: str, methods: list[str], sparsities: list[float], s
                                 for sparsity in sparsities or []]]
 
 
-@locked(_compare_folders, reads=lambda ckpt, **_: ckpt)
+@locked(_compare_folders, reads=lambda ckpt, **_: _checkpoint_file(ckpt))
 def compare_vision(
     ckpt: str,
     methods: list[str],

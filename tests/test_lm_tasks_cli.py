@@ -1,0 +1,96 @@
+"""``--tasks`` on the LM commands: lm-eval's figures in report.json, with intervals, the paired
+difference against the dense model and the task cache; compare's table with DTO; and the one-line
+errors of a bad ``--tasks`` / ``--task_data``, before any work and with nothing written."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from cli_output import last_error
+from fairprune.cli.prune import main as prune_main
+from tiny_models import tiny_gpt2_folder
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory, one_thread) -> Path:
+    root = tmp_path_factory.mktemp("tasks-cli")
+    tiny_gpt2_folder(root)
+    return root
+
+
+def _common(root: Path) -> list[str]:
+    return ["--model", str(root / "dense"), "--eval_text", str(root / "eval.txt"), "--nsamples", "4", "--seqlen", "32",
+            "--eval_tokens", "1024", "--device", "cpu", "--quiet"]
+
+
+def test_evaluate_and_prune_report_task_figures_with_intervals_and_paired(tiny_lm, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path / "cache"))
+    tasks = ["--tasks", "[mmlu, bbq_ambig_letter]", "--limit", "30"]
+    assert prune_main(["evaluate", *_common(tiny_lm), *tasks, "--output", str(tmp_path / "eval")]) == 0
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert report["tasks"]["facts"]["mmlu"]["samples"] == 30 and report["tasks"]["facts"]["limit"] == 30
+    assert report["tasks"]["facts"]["bbq_ambig_letter"]["scoring"] == "letter"
+    assert 0 <= report["metrics"]["mmlu/acc"] <= 1 and "bbq_ambig_letter/amb_bias_score" in report["metrics"]
+    low, high = report["ci"]["mmlu/acc"]
+    assert low <= report["metrics"]["mmlu/acc"] <= high
+    assert report["tasks"]["figures"]["bbq_ambig_letter"]["accuracy_amb"] == report["metrics"]["bbq_ambig_letter/accuracy_amb"]
+    assert (tmp_path / "eval" / "task_items.json").is_file()
+
+    assert prune_main(["sparsegpt", *_common(tiny_lm), *tasks, "--output", str(tmp_path / "sgpt")]) == 0
+    pruned = json.loads((tmp_path / "sgpt" / "report.json").read_text())
+    assert pruned["reference"]["tasks_from_cache"] is True  # evaluate scored the same weights on the same data
+    assert pruned["reference"]["metrics"]["mmlu/acc"] == report["metrics"]["mmlu/acc"]
+    paired = pruned["paired"]["mmlu/acc"]
+    assert paired["difference"] == pytest.approx(pruned["metrics"]["mmlu/acc"] - report["metrics"]["mmlu/acc"])
+    assert paired["ci"][0] <= paired["difference"] <= paired["ci"][1]
+    card = (tmp_path / "sgpt" / "README.md").read_text()
+    assert "task:\n      type: text-generation\n      name: mmlu" in card and "type: acc" in card
+
+
+def test_compare_table_has_task_columns_dto_and_paired(tiny_lm, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path / "cache"))
+    assert prune_main(["compare", *_common(tiny_lm), "--methods", "[magnitude, wanda]", "--sparsities", "[0.5]",
+                       "--tasks", "[mmlu, bbq_ambig, hellaswag]", "--limit", "20", "--baseline", "dense",
+                       "--output", str(tmp_path / "cmp")]) == 0
+    table = pd.read_csv(tmp_path / "cmp" / "comparison.csv")
+    assert list(table["method"]) == ["dense", "magnitude", "wanda"]
+    for column in ("mmlu/acc", "bbq_ambig/accuracy_amb", "hellaswag/acc_norm", "mmlu/acc_ci_low", "mmlu/acc_diff", "dto"):
+        assert column in table.columns, column
+    assert table["dto"].between(0, 2 ** 0.5 + 1e-9).all()
+    report = json.loads((tmp_path / "cmp" / "report.json").read_text())
+    assert report["dto"]["abstention"] == "bbq_ambig/accuracy_amb" and report["dto"]["accuracy"] == "mmlu/acc"
+    assert "mmlu/acc" in report["reference"]["metrics"]
+    shown = (tmp_path / "cmp" / "comparison.md").read_text()
+    assert "Δ mmlu/acc vs dense" in shown
+    for cell in ("magnitude_0.5", "wanda_0.5"):
+        assert (tmp_path / "cmp" / cell / "task_items.json").is_file()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tasks", "[mmlu]", "--task_data", "[bbq=/nowhere/bbq.jsonl]"], "--task_data bbq=/nowhere/bbq.jsonl"),
+    (["--tasks", "[mmlu]", "--task_data", "[mmlu]"], "is not NAME=PATH"),
+    (["--tasks", "[mmlu]", "--task_data", "[wikitext=x.txt]"], "neither a data format"),
+    (["--tasks", "[mmlu, mmlu]"], "names a task twice"),
+    (["--tasks", "[mmlu]", "--limit", "-3"], "--limit must be a positive number"),
+    (["--tasks", "[mmlu]", "--num_fewshot", "-1"], "--num_fewshot must be 0 or more"),
+])
+def test_task_mistakes_are_one_line_before_any_work(tiny_lm, tmp_path, capsys, args, message):
+    assert prune_main(["sparsegpt", *_common(tiny_lm), *args, "--output", str(tmp_path / "out")]) == 2
+    assert message in last_error(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_task_file_in_the_wrong_format_names_file_format_and_source(tiny_lm, tmp_path, capsys):
+    wrong = tmp_path / "bbq.jsonl"
+    wrong.write_text(json.dumps({"question": "What?", "choices": ["a", "b", "c", "d"], "answer": 1}) + "\n")
+    assert prune_main(["evaluate", *_common(tiny_lm), "--tasks", "[bbq_ambig]", "--task_data", f"[bbq={wrong}]",
+                       "--output", str(tmp_path / "out")]) == 2
+    line = last_error(capsys)
+    assert str(wrong) in line and "nyu-mll/BBQ" in line
+    assert not (tmp_path / "out").exists()
