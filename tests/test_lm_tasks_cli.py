@@ -94,3 +94,31 @@ def test_a_task_file_in_the_wrong_format_names_file_format_and_source(tiny_lm, t
     line = last_error(capsys)
     assert str(wrong) in line and "nyu-mll/BBQ" in line
     assert not (tmp_path / "out").exists()
+
+
+def test_streamed_runs_score_tasks_on_a_disk_offloaded_model_as_in_memory(tiny_lm, tmp_path, monkeypatch):
+    """``--stream true --tasks``: lm-eval runs on the model loaded with transformers' disk offload,
+    and gives the in-memory run's figures; with a budget below the model's size its weights are
+    read from the offload folder."""
+    from transformers import AutoTokenizer
+
+    from fairprune.metrics.harness import resolve_tasks
+    from fairprune.workflows.options import LMOptions
+    from fairprune.workflows.tasks import measure_tasks, offloaded
+
+    monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path / "cache"))
+    tasks = ["--tasks", "[mmlu, bbq_ambig_letter]", "--limit", "20", "--dense_cache", "false"]
+    for stream in ("false", "true"):
+        assert prune_main(["sparsegpt", *_common(tiny_lm), *tasks, "--stream", stream, "--output", str(tmp_path / stream)]) == 0
+    memory, streamed = (json.loads((tmp_path / s / "report.json").read_text()) for s in ("false", "true"))
+    assert streamed["tasks"]["facts"]["offload"]["how"] == "accelerate disk offload"
+    assert {k: v for k, v in streamed["metrics"].items() if "/" in k} == {k: v for k, v in memory["metrics"].items() if "/" in k}
+    assert streamed["paired"]["mmlu/acc"] == memory["paired"]["mmlu/acc"]
+
+    lm = LMOptions(model=str(tmp_path / "true"), limit=20)
+    specs = resolve_tasks(["mmlu", "bbq_ambig_letter"], {})
+    load, facts = offloaded(tmp_path / "true", lm, budget_bytes=20_000)  # far below the model's 150 KB
+    spilled = measure_tasks(None, AutoTokenizer.from_pretrained(tmp_path / "true"), specs, lm, "cpu", progress=False,
+                            offload=(load, facts))
+    assert facts["on_disk"]  # the weights were read from disk
+    assert spilled.figures == streamed["tasks"]["figures"]

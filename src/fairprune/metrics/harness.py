@@ -274,6 +274,7 @@ def run_tasks(model, tokenizer, specs: Sequence[TaskSpec], *, limit: float | Non
               offload: str | None = None) -> TaskResults:
     """Evaluate ``model`` (in memory) on ``specs`` through lm-eval; the figures are recomputed from
     the logged samples. ``limit`` and ``num_fewshot`` are passed through as lm-eval reads them."""
+    import torch
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
@@ -287,6 +288,8 @@ def run_tasks(model, tokenizer, specs: Sequence[TaskSpec], *, limit: float | Non
     try:
         with _quiet(progress):
             lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
+            if offload:  # HFLM takes a given model's device from its parameters: "meta" where accelerate put them on disk
+                lm._device = torch.device(device)
             results = simple_evaluate(model=lm, tasks=configs, limit=limit, num_fewshot=num_fewshot, log_samples=True,
                                       bootstrap_iters=0, task_manager=_manager(stock), verbosity="ERROR",
                                       random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,

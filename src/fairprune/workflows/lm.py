@@ -143,7 +143,7 @@ def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm:
         from fairprune.workflows.streamed import prune_lm_streamed
 
         config = _config(lm, machine, method=method, sparsity=str(sparsity), **asdict(solver))
-        return prune_lm_streamed(method, lm, output, sparsity, solver, machine, config, start)
+        return prune_lm_streamed(method, lm, output, sparsity, solver, machine, config, start, specs)
     texts, tokenizer, model = _load(lm)
     check_pattern_fits(model, sparsity)  # N:M against the layer widths, before the dense model is measured
     check_free_space(output, saved_bytes(model, tokenizer))  # a full disk is found now, not after the work
@@ -171,7 +171,7 @@ def evaluate_lm(lm: LMOptions, output: str | None = None, machine: MachineOption
     if lm.stream:  # read block by block, never whole in memory
         from fairprune.workflows.streamed import evaluate_lm_streamed
 
-        return evaluate_lm_streamed(lm, output, machine, start)
+        return evaluate_lm_streamed(lm, output, machine, start, specs)
     texts, tokenizer, model = _load(lm, calibration=False)
     loaded = time.perf_counter()
     ids, figures = _dense(model, tokenizer, texts, lm, machine, specs, who="")
@@ -274,15 +274,15 @@ def _compare_streamed(lm: LMOptions, methods: list[str], sparsities: list[Sparsi
     from fairprune.workflows.streamed import check_streamable, prune_lm_streamed, streamed_dense
 
     check_streamable(lm)
-    dense, dense_zeros, dense_bytes = streamed_dense(lm, machine, sparsities)
-    rows = [LMRow.dense(dense.metrics, dense_zeros, dense.seconds, dense_bytes)]
+    dense, dense_zeros, dense_bytes = streamed_dense(lm, machine, sparsities, specs)
+    rows = [LMRow.dense(dense.all_metrics(), dense_zeros, dense.seconds, dense_bytes)]
     for method in methods:
         for s in sparsities:
             name = _cell(method, s)
             if distributed.is_main() and machine.progress:
                 print(f"[compare] {name} (streamed) ...", flush=True)
             config = _config(lm, machine, method=method, sparsity=str(s), **asdict(solver))
-            report = prune_lm_streamed(method, lm, str(Path(output) / name), s, solver, machine, config)
+            report = prune_lm_streamed(method, lm, str(Path(output) / name), s, solver, machine, config, specs=specs)
             if distributed.is_main():
                 rows.append(LMRow.from_report(report, method, str(s)))
     if not distributed.is_main():
@@ -292,6 +292,10 @@ def _compare_streamed(lm: LMOptions, methods: list[str], sparsities: list[Sparsi
              "stream": True, "threads": torch.get_num_threads(), "seconds": {"total": time.perf_counter() - start}}
     intervals, paired = _lm_statistics(Path(output), methods, sparsities, baseline, dense)
     extra["baseline"] = baseline
+    if dense.tasks is not None:
+        extra["reference"].update(metrics=dense.all_metrics(), tasks=dense.tasks.figures)
+        extra["tasks"] = dense.tasks.facts
+    rows, extra["dto"] = _with_dto(rows)
     return write_comparison(rows, output, extra, intervals=intervals, paired=paired, baseline=baseline,
                             title="Language-model pruning comparison (streamed)")
 

@@ -62,6 +62,7 @@ from fairprune.storage.folders import check_free_space, replace_folder
 from fairprune.workflows import dense as dense_cache
 from fairprune.workflows.dense import DenseFigures, cached_figures, finish_evaluation, pruned_line
 from fairprune.workflows.options import LMOptions, MachineOptions
+from fairprune.workflows.tasks import attach, measure_tasks, offloaded
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
@@ -168,7 +169,8 @@ def write_model_files(sm: StreamedModel, out: Path) -> None:
 
 
 def prune_lm_streamed(method: str, lm: LMOptions, output: str, sparsity: Sparsity, solver: SolverOptions,
-                      machine: MachineOptions, config: dict[str, Any], start: float | None = None) -> dict[str, Any]:
+                      machine: MachineOptions, config: dict[str, Any], start: float | None = None,
+                      specs: list | None = None) -> dict[str, Any]:
     """The streamed ``prune.py <method>`` run (see the module docstring); ``config`` is written as
     the run's ``config.yaml``, ``start`` is when the command began (its imports before it)."""
     start = time.perf_counter() if start is None else start
@@ -189,9 +191,10 @@ def prune_lm_streamed(method: str, lm: LMOptions, output: str, sparsity: Sparsit
     ids = eval_ids(texts.eval_text, tokenizer, lm.eval_tokens)
     dense = streamed_dense_figures(sm, tokenizer, ids, texts.eval_pairs, lm.window, device, eval_tokens=lm.eval_tokens,
                                    use_cache=lm.dense_cache, progress=talk)
+    facts = stream_facts(sm)
+    dense_tasks = streamed_tasks(sm, sm.folder, tokenizer, specs, lm, device, talk, facts, dense=True)
     calib = calibration_ids(tokenizer, texts.calib_text, lm.nsamples, lm.seqlen, lm.seed) if entry.uses_data else None
     pairs = paired_ids(tokenizer, texts.calib_pairs, lm.seqlen) if entry.paired else None
-    facts = stream_facts(sm)
     report: dict[str, Any] = {}
 
     def write(out: Path | None) -> None:
@@ -246,6 +249,10 @@ def prune_lm_streamed(method: str, lm: LMOptions, output: str, sparsity: Sparsit
             report["reference"]["ci"] = lm_intervals(dense.items)
             report["paired"] = {"baseline": "dense", **lm_paired(items, dense.items)}
         items.save(out)
+        tasks = streamed_tasks(sm, out, tokenizer, specs, lm, device, talk, facts, who=f"{method}: ")
+        attach(report, tasks, dense_tasks)
+        if tasks is not None:
+            tasks.items.save(out)
         import pandas as pd  # here, not at the top: a streamed run holds it only once its work is done
 
         write_csv(out / "sparsity.csv", pd.DataFrame([{"layer": k, "sparsity": v} for k, v in result["layers"].items()]),
@@ -266,6 +273,19 @@ def prune_lm_streamed(method: str, lm: LMOptions, output: str, sparsity: Sparsit
     return report
 
 
+def streamed_tasks(sm: StreamedModel, folder: Path, tokenizer, specs: list | None, lm: LMOptions, device, progress: bool,
+                   facts, dense: bool = False, who: str = "dense model: "):
+    """The lm-eval pass of a streamed run on the model in ``folder``, loaded with transformers'
+    disk offload (at most four of its largest parts' bytes in memory): the whole model is never
+    resident here either. ``dense``: the model ``sm`` reads, its results cached by its digest."""
+    if not specs or not distributed.is_main():
+        return None
+    budget = 4 * facts.largest_part_bytes
+    return measure_tasks(None, tokenizer, specs, lm, device, progress, use_cache=dense and lm.dense_cache, who=who,
+                         digest=streamed_digest(sm) if dense and lm.dense_cache else None,
+                         offload=offloaded(folder, lm, budget))
+
+
 def zero_fraction(sm: StreamedModel) -> float:
     """The share of exact zeros in the prunable layers of every block, one block read at a time."""
     zeros = total = 0
@@ -277,7 +297,8 @@ def zero_fraction(sm: StreamedModel) -> float:
     return zeros / total if total else 0.0
 
 
-def streamed_dense(lm: LMOptions, machine: MachineOptions, sparsities: list[Sparsity]) -> tuple[DenseFigures, float, int]:
+def streamed_dense(lm: LMOptions, machine: MachineOptions, sparsities: list[Sparsity],
+                   specs: list | None = None) -> tuple[DenseFigures, float, int]:
     """For ``compare --stream true``: the dense model's figures (measured streamed, or from the
     cache, which the runs then read), its prunable layers' zero fraction and its weights' bytes
     in ``--dtype``; every N:M pattern checked against the layer widths first."""
@@ -289,12 +310,14 @@ def streamed_dense(lm: LMOptions, machine: MachineOptions, sparsities: list[Spar
     ids = eval_ids(texts.eval_text, tokenizer, lm.eval_tokens)
     dense = streamed_dense_figures(sm, tokenizer, ids, texts.eval_pairs, lm.window, resolve_device(lm.device),
                                    eval_tokens=lm.eval_tokens, use_cache=lm.dense_cache, progress=machine.progress)
+    dense.tasks = streamed_tasks(sm, sm.folder, tokenizer, specs, lm, resolve_device(lm.device), machine.progress,
+                                 stream_facts(sm), dense=True)
     weight_bytes = sum(t.numel() * t.element_size() for t in sm.output_tensors().values())
     return dense, zero_fraction(sm), weight_bytes
 
 
 def evaluate_lm_streamed(lm: LMOptions, output: str | None, machine: MachineOptions,
-                         start: float | None = None) -> dict[str, Any]:
+                         start: float | None = None, specs: list | None = None) -> dict[str, Any]:
     """``prune.py evaluate --stream true``: perplexity, stereotype score and sparsity of a model
     read block by block (the dense cache as the in-memory command uses it)."""
     start = time.perf_counter() if start is None else start
@@ -308,6 +331,8 @@ def evaluate_lm_streamed(lm: LMOptions, output: str | None, machine: MachineOpti
     ids = eval_ids(texts.eval_text, tokenizer, lm.eval_tokens)
     figures = streamed_dense_figures(sm, tokenizer, ids, texts.eval_pairs, lm.window, device, eval_tokens=lm.eval_tokens,
                                      use_cache=lm.dense_cache, progress=machine.progress)
+    facts = stream_facts(sm)
+    figures.tasks = streamed_tasks(sm, sm.folder, tokenizer, specs, lm, device, machine.progress, facts, dense=True, who="")
     peaks = rank_peaks()
     if not distributed.is_main():  # torchrun: rank 0 counts the zeros, reports and writes
         return {}
@@ -318,7 +343,7 @@ def evaluate_lm_streamed(lm: LMOptions, output: str | None, machine: MachineOpti
               "seconds": {"load": loaded - start, "evaluate": figures.seconds, "total": time.perf_counter() - start}}
     if figures.items is not None:
         report["ci"] = lm_intervals(figures.items)
-    facts = stream_facts(sm)
+    attach(report, figures.tasks)
     report["memory"] = {"peak_rss_bytes": max(peaks[0], peak_rss_bytes()), "largest_block_bytes": facts.largest_block_bytes,
                         "largest_part_bytes": facts.largest_part_bytes,
                         **({"peak_rss_bytes_per_rank": peaks} if len(peaks) > 1 else {})}

@@ -11,9 +11,11 @@ other ranks wait for it at the next barrier and write nothing, as always.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -62,26 +64,30 @@ def _cache_path(key: dict[str, Any]) -> Path:
     return cache_dir() / "tasks" / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]}.json"
 
 
-def _key(model, specs: list[TaskSpec], lm, device) -> dict[str, Any]:
+def _key(model, specs: list[TaskSpec], lm, device, digest: str | None = None) -> dict[str, Any]:
     import torch
 
     from fairprune.metrics.harness import _lm_eval_version
     from fairprune.workflows.dense import weights_digest
 
     return {"version": TASK_CACHE_VERSION, "fairprune": fairprune.__version__, "lm_eval": _lm_eval_version(),
-            "model": weights_digest(model), "tasks": [[s.name, s.scoring, _file_digest(s.data)] for s in specs],
+            "model": digest or weights_digest(model), "tasks": [[s.name, s.scoring, _file_digest(s.data)] for s in specs],
             "limit": lm.limit, "num_fewshot": lm.num_fewshot, "seed": lm.seed, "device": torch.device(device).type,
-            "dtype": str(next(model.parameters()).dtype)}
+            "dtype": str(getattr(torch, lm.dtype))}
 
 
 def measure_tasks(model, tokenizer, specs: list[TaskSpec] | None, lm, device, progress: bool = True,
-                  use_cache: bool = False, who: str = "") -> TaskResults | None:
+                  use_cache: bool = False, who: str = "", digest: str | None = None,
+                  offload: tuple[Any, dict[str, Any]] | None = None) -> TaskResults | None:
     """lm-eval on ``model`` (rank 0 only; None elsewhere and without ``specs``). ``use_cache``: the
     dense model's results from the project cache when an earlier run scored the same weights on
-    the same files with the same settings, else measured and cached."""
+    the same files with the same settings, else measured and cached (``digest``: the weights'
+    digest when the caller has it, as a streamed run does). ``offload``: :func:`offloaded`'s
+    loader and facts, for a model not in memory (``model`` None; loaded only when the cache has
+    no answer; the report says which way the pass ran)."""
     if not specs or not distributed.is_main():
         return None
-    key = _key(model, specs, lm, device) if use_cache else None
+    key = _key(model, specs, lm, device, digest) if use_cache else None
     if key is not None:
         try:
             stored = json.loads(_cache_path(key).read_text())
@@ -93,9 +99,13 @@ def measure_tasks(model, tokenizer, specs: list[TaskSpec] | None, lm, device, pr
                 print(f"[tasks] {who}figures from the cache ({_cache_path(key)})", flush=True)
             return TaskResults(task_figures(items), items, stored.get("facts") or {}, 0.0, from_cache=True)
     if progress:
-        print(f"[tasks] {who}lm-eval: {', '.join(s.name for s in specs)} ...", flush=True)
-    results = run_tasks(model, tokenizer, specs, limit=lm.limit, num_fewshot=lm.num_fewshot, device=device,
-                        progress=progress, seed=lm.seed)
+        how = "" if offload is None else " (weights offloaded to disk by accelerate)"
+        print(f"[tasks] {who}lm-eval{how}: {', '.join(s.name for s in specs)} ...", flush=True)
+    with (offload[0]() if offload is not None else contextlib.nullcontext(model)) as loaded:
+        results = run_tasks(loaded, tokenizer, specs, limit=lm.limit, num_fewshot=lm.num_fewshot, device=device,
+                            progress=progress, seed=lm.seed, offload=None if offload is None else "disk")
+    if offload is not None:
+        results.facts["offload"] = offload[1]
     for line in letter_warnings(results.facts, who.strip() or str(lm.model)):
         print(line, file=sys.stderr, flush=True)
     if key is not None:
@@ -124,3 +134,29 @@ def attach(report: dict[str, Any], results: TaskResults | None, dense: TaskResul
         reference["tasks_from_cache"] = dense.from_cache
         reference.setdefault("ci", {}).update(task_intervals(dense.items))
         report.setdefault("paired", {"baseline": "dense"}).update(task_paired(results.items, dense.items))
+
+
+def offloaded(folder: str | Path, lm, budget_bytes: int) -> tuple[Any, dict[str, Any]]:
+    """A loader of the model in ``folder`` by transformers' own disk offload (accelerate's
+    ``device_map="auto"`` with at most ``budget_bytes`` of weights in memory, the rest read from
+    an offload folder module by module as the forward pass reaches it), for the lm-eval pass of a
+    streamed run; and the facts the report records. The offload folder is removed afterwards."""
+    facts: dict[str, Any] = {"how": "accelerate disk offload", "budget_bytes": int(budget_bytes)}
+
+    @contextlib.contextmanager
+    def load():
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with tempfile.TemporaryDirectory(prefix="fairprune-offload-") as spill:
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=getattr(torch, lm.dtype), device_map="auto", max_memory={"cpu": int(budget_bytes)},
+                offload_folder=spill, trust_remote_code=lm.trust_remote_code)
+            where = getattr(model, "hf_device_map", None) or {}  # none: the whole model fitted the budget
+            facts["on_disk"] = sorted(name or "(the whole model)" for name, device in where.items() if device == "disk")
+            try:
+                yield model.eval()
+            finally:
+                del model
+
+    return load, facts
