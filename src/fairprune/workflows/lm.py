@@ -250,18 +250,9 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
             rows.append(LMRow.from_report(report, method, str(s)))
     if not distributed.is_main():
         return pd.DataFrame([row.as_dict() for row in rows])
-    extra = {"reference": {"method": "dense", "metrics": dense.metrics, "from_cache": dense.from_cache,
-                           "dense_zero_fraction": dense_zeros, "seconds": dense.seconds},
-             "evaluation": evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer),
-             "threads": torch.get_num_threads(), "seconds": {"total": time.perf_counter() - start}}
-    intervals, paired = _lm_statistics(Path(output), methods, sparsities, baseline, dense)
-    extra["baseline"] = baseline
-    if dense.tasks is not None:
-        extra["reference"].update(metrics=dense.all_metrics(), tasks=dense.tasks.figures)
-        extra["tasks"] = dense.tasks.facts
-    rows, extra["dto"] = _with_dto(rows)
-    return write_comparison(rows, output, extra, intervals=intervals, paired=paired, baseline=baseline,
-                            title="Language-model pruning comparison")
+    extra = {"evaluation": evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer)}
+    return _write_lm_comparison(rows, output, extra, methods, sparsities, baseline, dense, dense_zeros, start,
+                                "Language-model pruning comparison")
 
 
 def _compare_streamed(lm: LMOptions, methods: list[str], sparsities: list[Sparsity], output: str, solver: SolverOptions,
@@ -287,17 +278,28 @@ def _compare_streamed(lm: LMOptions, methods: list[str], sparsities: list[Sparsi
                 rows.append(LMRow.from_report(report, method, str(s)))
     if not distributed.is_main():
         return pd.DataFrame()
-    extra = {"reference": {"method": "dense", "metrics": dense.metrics, "from_cache": dense.from_cache,
-                           "dense_zero_fraction": dense_zeros, "seconds": dense.seconds},
-             "stream": True, "threads": torch.get_num_threads(), "seconds": {"total": time.perf_counter() - start}}
-    intervals, paired = _lm_statistics(Path(output), methods, sparsities, baseline, dense)
-    extra["baseline"] = baseline
+    return _write_lm_comparison(rows, output, {"stream": True}, methods, sparsities, baseline, dense, dense_zeros, start,
+                                "Language-model pruning comparison (streamed)")
+
+
+def _write_lm_comparison(rows: list[LMRow], output: str, extra: dict[str, Any], methods: list[str],
+                         sparsities: list[Sparsity], baseline: str, dense: DenseFigures, dense_zeros: float, start: float,
+                         title: str) -> Table:
+    """An LM compare's table and report (in memory and streamed alike): the dense model as the
+    reference, every row's intervals and paired differences from the run folders' items, DTO
+    when the rows hold its figures."""
+    reference = {"method": "dense", "metrics": dense.all_metrics(), "from_cache": dense.from_cache,
+                 "dense_zero_fraction": dense_zeros, "seconds": dense.seconds}
+    extra = {"reference": reference, **extra, "threads": torch.get_num_threads(),
+             "seconds": {"total": time.perf_counter() - start}, "baseline": baseline}
     if dense.tasks is not None:
-        extra["reference"].update(metrics=dense.all_metrics(), tasks=dense.tasks.figures)
+        reference["tasks"] = dense.tasks.figures
         extra["tasks"] = dense.tasks.facts
-    rows, extra["dto"] = _with_dto(rows)
-    return write_comparison(rows, output, extra, intervals=intervals, paired=paired, baseline=baseline,
-                            title="Language-model pruning comparison (streamed)")
+    intervals, paired = _lm_statistics(Path(output), methods, sparsities, baseline, dense)
+    rows, dto_facts = _with_dto(rows)
+    if dto_facts is not None:
+        extra["dto"] = dto_facts
+    return write_comparison(rows, output, extra, intervals=intervals, paired=paired, baseline=baseline, title=title)
 
 
 def _lm_statistics(output: Path, methods: list[str], sparsities: list[Sparsity], baseline: str,
