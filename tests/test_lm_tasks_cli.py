@@ -122,3 +122,17 @@ def test_streamed_runs_score_tasks_on_a_disk_offloaded_model_as_in_memory(tiny_l
                             offload=(load, facts))
     assert facts["on_disk"]  # the weights were read from disk
     assert spilled.figures == streamed["tasks"]["figures"]
+
+
+def test_fasp_scores_the_tasks_before_and_after_removing_heads(tiny_lm, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path / "cache"))
+    code = prune_main(["fasp", "--model", str(tiny_lm / "dense"), "--scorer", "lexicon", "--max_new_tokens", "2",
+                       "--gamma", "0.25", "--alpha", "0.5", "--calib_text", str(tiny_lm / "eval.txt"),
+                       "--eval_text", str(tiny_lm / "eval.txt"), "--seqlen", "32", "--device", "cpu", "--quiet",
+                       "--tasks", "[mmlu]", "--limit", "20", "--output", str(tmp_path / "fasp")])
+    assert code == 0
+    report = json.loads((tmp_path / "fasp" / "report.json").read_text())
+    assert report["heads_removed"] and "mmlu/acc" in report["metrics"] and "mmlu/acc" in report["reference"]["metrics"]
+    assert report["paired"]["mmlu/acc"]["difference"] == pytest.approx(
+        report["metrics"]["mmlu/acc"] - report["reference"]["metrics"]["mmlu/acc"])
+    assert (tmp_path / "fasp" / "task_items.json").is_file()

@@ -179,24 +179,30 @@ class HeadRow:
     heads_removed: int
     perplexity: float
     bias: dict[str, float]
+    tasks: dict[str, float] = field(default_factory=dict)  # lm-eval's headline figures, ``<task>/<metric>`` (--tasks)
 
     @classmethod
     def from_report(cls, report: HeadReport, method: str, alpha: float, protects: bool) -> HeadRow:
         """``protects``: the method protects heads for perplexity (its registry entry), so its γ is shown."""
         return cls(method=method, alpha=alpha, gamma=report["gamma"] if protects else None,
                    heads_removed=len(report["heads_removed"]), perplexity=report["metrics"]["perplexity"],
-                   bias=dict(report["fairness"]["bias"]))
+                   bias=dict(report["fairness"]["bias"]), tasks=_task_figures(report["metrics"]))
 
     @classmethod
     def dense(cls, report: HeadReport) -> HeadRow:
         """The unpruned model's row, from a run's ``reference``."""
         reference = report["reference"]
         return cls(method="dense", alpha=0.0, gamma=None, heads_removed=0,
-                   perplexity=reference["metrics"]["perplexity"], bias=dict(reference["fairness"]["bias"]))
+                   perplexity=reference["metrics"]["perplexity"], bias=dict(reference["fairness"]["bias"]),
+                   tasks=_task_figures(reference["metrics"]))
 
     def as_dict(self) -> dict[str, Any]:
         return {"method": self.method, "alpha": self.alpha, "gamma": self.gamma, "heads_removed": self.heads_removed,
-                "perplexity": self.perplexity, **{f"bias/{axis}": value for axis, value in self.bias.items()}}
+                "perplexity": self.perplexity, **{f"bias/{axis}": value for axis, value in self.bias.items()}, **self.tasks}
+
+
+def _task_figures(metrics: Mapping[str, Any]) -> dict[str, float]:
+    return {key: value for key, value in metrics.items() if "/" in key}
 
 
 @dataclass(frozen=True)

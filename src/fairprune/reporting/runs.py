@@ -100,12 +100,15 @@ def _write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, An
     return replace_folder(output, write, keep=keep, owned=RUN_FILES)
 
 
-def write_head_run(output: str | os.PathLike, model, tokenizer, result: Any, config: dict[str, Any]) -> Path:
+def write_head_run(output: str | os.PathLike, model, tokenizer, result: Any, config: dict[str, Any],
+                   task_items: Any = None) -> Path:
     """A head-pruning run's folder: the plots of ``result`` (a ``FaspResult``: ``impact``, ``axes``,
-    ``protected``, ``removed``, ``bias_by_axis``), then the model and its report; the scoring
-    journal (``head_scores.csv``) stays in the folder."""
+    ``protected``, ``removed``, ``bias_by_axis``), ``task_items.json`` when ``--tasks`` ran, then the
+    model and its report; the scoring journal (``head_scores.csv``) stays in the folder."""
 
     def plots(out: Path) -> None:
+        if task_items is not None:
+            task_items.save(out)
         if result.impact is not None:
             plot_head_heatmap(result.impact, result.axes, result.protected, result.removed, out / "heads_heatmap.png")
         if result.bias_by_axis is not None:

@@ -32,18 +32,23 @@ from fairprune.storage.folders import check_free_space
 from fairprune.storage.lock import locked
 from fairprune.workflows.launch import torchrun
 from fairprune.workflows.options import LMOptions, MachineOptions, model_folder
+from fairprune.workflows.tasks import attach, measure_tasks, task_specs
 
 
 def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alpha: float, output: Path,
-                 machine: MachineOptions) -> dict[str, Any]:
+                 machine: MachineOptions, specs: list | None = None) -> dict[str, Any]:
     """Load the model, score / select / remove heads with ``method`` at ``alpha``; write the pruned
-    model, its plots and ``report.json`` into ``output``."""
+    model, its plots and ``report.json`` into ``output``. ``specs``: lm-eval tasks scored on the
+    model before and after (``--tasks``; the dense model's from the cache after the first run)."""
     from fairprune.pruning.fasp import Generation, run_fasp
 
     model = load_model(lm.model, "causal-lm", lm.trust_remote_code, dtype=lm.dtype)
     check_input_model(model, lm.model)  # before any work: NaN / inf weights cannot be scored
     check_free_space(output, saved_bytes(model, tokenizer))
     model = model.to(resolve_device(lm.device))
+    talk = machine.progress and distributed.is_main()
+    dense_tasks = measure_tasks(model, tokenizer, specs, lm, resolve_device(lm.device), talk, use_cache=lm.dense_cache,
+                                who="dense model: ")
     prompts = read_prompts(heads.prompts) if heads.prompts else None
     scoring_text = render_calib_text(tokenizer, read_calib_text(lm.calib_text)) if lm.calib_text else None
     eval_text = read_text(lm.eval_text) if lm.eval_text else None
@@ -52,10 +57,12 @@ def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alph
                       seqlen=lm.seqlen, seed=lm.seed, max_batch=heads.max_batch,
                       progress=machine.progress and distributed.is_main(), eval_tokens=lm.eval_tokens)
     result.report["model"] = lm.model
+    tasks = measure_tasks(model, tokenizer, specs, lm, resolve_device(lm.device), talk, who=f"{method}: ")
+    attach(result.report, tasks, dense_tasks)
     config = {"method": method, **asdict(lm), **asdict(heads), "alpha": alpha}
     check_result(model, output, method)  # on every rank: all stop together
     if distributed.is_main():
-        write_head_run(output, model.cpu(), tokenizer, result, config)
+        write_head_run(output, model.cpu(), tokenizer, result, config, None if tasks is None else tasks.items)
     distributed.barrier()
     return result.report
 
@@ -77,8 +84,9 @@ def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = 
     """
     machine.apply()
     registry.get(method, "heads")
+    specs = task_specs(lm)
     tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
-    report = _prune_heads(lm, tokenizer, method, heads, heads.alpha, Path(output), machine)
+    report = _prune_heads(lm, tokenizer, method, heads, heads.alpha, Path(output), machine, specs)
     if not distributed.is_main():
         return report
     print(f"[fasp] {method}: removed {len(report.get('heads_removed', []))} heads; perplexity "
@@ -137,6 +145,7 @@ def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output
     for alpha in alphas:
         if not 0.0 <= alpha <= 1.0:
             raise UserError(f"--alphas must be in [0, 1], got {alpha}")
+    specs = task_specs(lm)
     tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
     out, shared = Path(output), None
     rows: list[HeadRow] = []
@@ -152,7 +161,7 @@ def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output
                     for name in ("head_scores.csv", "head_scores.json"):
                         shutil.copy(shared / name, run / name)
                 print(f"[compare] {run.name} ...", flush=True)
-            report = _prune_heads(lm, tokenizer, method, heads, alpha, run, machine)
+            report = _prune_heads(lm, tokenizer, method, heads, alpha, run, machine, specs)
             if (run / "head_scores.csv").exists() and shared is None:
                 shared = run
             if not rows:
