@@ -114,7 +114,8 @@ def load_model(name_or_path: str, task: str = "causal-lm", trust_remote_code: bo
     (``num_labels`` in ``kwargs``; a new head when the sizes differ). ``dtype``: ``float32``,
     ``bfloat16`` or ``float16`` (None: the dtype the checkpoint states). A folder written with
     ``--save_format compressed`` (compressed-tensors' sparse layouts) loads with its weights rebuilt
-    bit for bit (:mod:`fairprune.hub.compressed`)."""
+    bit for bit (:mod:`fairprune.hub.compressed`). A model whose parameters (estimated from its
+    config) cannot fit in the memory and swap free now is refused before anything is allocated."""
     import transformers
 
     from fairprune.hub.compressed import is_compressed, load_compressed, torch_dtype
@@ -125,6 +126,7 @@ def load_model(name_or_path: str, task: str = "causal-lm", trust_remote_code: bo
     source = resolve_name(name_or_path)
     if dtype is not None:
         kwargs["dtype"] = torch_dtype(dtype)
+    check_fits(source, auto, name_or_path, trust_remote_code, kwargs.get("dtype"))
     try:
         if is_compressed(source):
             return load_compressed(source, auto, trust_remote_code=trust_remote_code, **kwargs)
@@ -140,6 +142,67 @@ def load_model(name_or_path: str, task: str = "causal-lm", trust_remote_code: bo
         hint = " (set --trust_remote_code true only if you trust it)" if "trust_remote_code" in str(err) else ""
         raise UserError(f"cannot load model '{name_or_path}'{hint}: give a folder written by save_pretrained, "
                         f"a hub name, 'minilm' or '{SMOLLM2}' ({_short(err)})") from err
+
+
+def parameter_count(cfg: Any, auto: Any = None, trust_remote_code: bool = False) -> int:
+    """How many parameters a model of transformers config ``cfg`` has: the model built on the meta
+    device (accelerate's ``init_empty_weights``: no memory taken) and counted, tied ones once; a
+    rough bound from its sizes (``vocab_size × hidden_size × 2 + layers × 12 × hidden_size²``) when
+    it cannot be built so."""
+    try:
+        import transformers
+        from accelerate import init_empty_weights
+
+        with init_empty_weights(include_buffers=False):
+            model = (auto or transformers.AutoModelForCausalLM).from_config(cfg, trust_remote_code=trust_remote_code)
+        return sum(p.numel() for p in model.parameters())
+    except Exception:  # noqa: BLE001 - an architecture meta tensors cannot build: the rough bound
+        def size(*keys: str) -> int:
+            for key in keys:
+                value = getattr(cfg, key, None)
+                if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+                    return int(value)
+            return 0
+
+        hidden = size("hidden_size", "n_embd", "d_model", "dim")
+        return size("vocab_size") * hidden * 2 + size("num_hidden_layers", "n_layer", "num_layers") * 12 * hidden ** 2
+
+
+def _element_size(dtype: Any, cfg: Any) -> int:
+    """Bytes per parameter as loaded: ``dtype`` when given, else the config's (as transformers
+    loads it), else 4 (float32)."""
+    import torch
+
+    for value in (dtype, getattr(cfg, "dtype", None)):
+        if isinstance(value, str):
+            value = getattr(torch, value, None)
+        if isinstance(value, torch.dtype):
+            return torch.empty((), dtype=value).element_size()
+    return 4
+
+
+def check_fits(source: str, auto: Any, name: str, trust_remote_code: bool = False, dtype: Any = None) -> None:
+    """Refuse, in one line, a model whose parameters (estimated from its config, before anything is
+    allocated) take more bytes than the memory and swap available now: loaded whole, it would end
+    in an allocation failure or the OOM killer. A config that cannot be read is left to the loader."""
+    import transformers
+
+    from fairprune.hub import checks
+
+    available = checks.available_memory(swap=True)
+    if available is None:
+        return
+    try:
+        cfg = transformers.AutoConfig.from_pretrained(source, trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - the loader says what is wrong with it
+        return
+    count = parameter_count(cfg, auto, trust_remote_code)
+    needed = count * _element_size(dtype, cfg)
+    if needed > available:
+        raise UserError(f"model '{name}' has about {count:.3g} parameters ({checks.human_bytes(needed)} loaded), more "
+                        f"than the {checks.human_bytes(available)} of memory and swap available; check its config.json "
+                        "sizes (hidden_size, num_hidden_layers, vocab_size), use a machine with more memory, or give "
+                        "prune.py's LM commands --stream true (one block in memory at a time)")
 
 
 def build_model(config: dict[str, Any], task: str = "causal-lm", tokenizer=None, **sizes: Any):
@@ -162,6 +225,14 @@ def build_model(config: dict[str, Any], task: str = "causal-lm", tokenizer=None,
         cfg = transformers.AutoConfig.for_model(model_type, **sizes, **settings)
     except ValueError as err:
         raise UserError(f"unknown model_type '{model_type}': {_short(err, 160)}") from err
+    from fairprune.hub import checks
+
+    available = checks.available_memory(swap=True)
+    count = parameter_count(cfg, auto)
+    if available is not None and count * 4 > available:
+        raise UserError(f"the model config makes about {count:.3g} parameters ({checks.human_bytes(count * 4)} in float32), "
+                        f"more than the {checks.human_bytes(available)} of memory and swap available; give smaller sizes "
+                        "(hidden_size, num_hidden_layers, vocab_size)")
     return auto.from_config(cfg)
 
 

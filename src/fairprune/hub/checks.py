@@ -76,3 +76,31 @@ def saved_bytes(model: nn.Module, tokenizer: Any = None) -> int:
             entries = 0
         total += 128 * entries + 64 * 1024  # vocabulary, merges and the small json files, generously
     return total
+
+
+def available_memory(swap: bool = False) -> int | None:
+    """Bytes of memory the system can still give this process (``MemAvailable`` of /proc/meminfo,
+    plus ``SwapFree`` with ``swap``; elsewhere the free pages ``os.sysconf`` reports), or None when
+    it cannot tell."""
+    import os
+
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f if line.strip().endswith("kB")}
+        if "MemAvailable" in info:
+            return info["MemAvailable"] + (info.get("SwapFree", 0) if swap else 0)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+def human_bytes(count: float) -> str:
+    """``count`` bytes for a message: ``512 B``, ``3.2 GB``, ``4.1e+03 TB``."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(count) < 1000:
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1000
+    return f"{count:.1f} TB" if count < 1000 else f"{count:.2g} TB"

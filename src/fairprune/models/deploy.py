@@ -280,3 +280,45 @@ def deploy_report(models: Mapping[str, nn.Module], input_shape: Sequence[int] | 
             reason = f"{type(err).__name__}: {' '.join(str(err).split())[:200]}"
     print(f"[prune] warning: no deploy figures ({reason})", flush=True)
     return {"error": reason}
+
+
+#: Where :func:`slower_than_dense` reads the latency, in order: ONNX Runtime at batch 32 (what the
+#: comparison's trade-off plot reads), then PyTorch.
+LATENCY_PREFERENCE = (("ort", "32"), ("torch", "32"))
+RUNTIME_NAMES = {"ort": "ONNX Runtime", "torch": "PyTorch"}
+
+
+def slower_than_dense(deploy: Mapping[str, Any] | None, granularity: str = "channel", channel_multiple: int | None = None,
+                      tolerance: float = 0.05) -> str | None:
+    """A one-line warning when a run's deploy figures (report.json's ``deploy``) show the pruned
+    network slower than the dense one by more than ``tolerance`` (timing noise), saying by how
+    much and what to change; None otherwise (or without both networks' figures)."""
+    if not isinstance(deploy, Mapping):
+        return None
+    pruned, dense = deploy.get("pruned"), deploy.get("dense")
+    if not isinstance(pruned, Mapping) or not isinstance(dense, Mapping):
+        return None
+
+    def ms(figures: Mapping[str, Any], runtime: str, batch: str) -> float | None:
+        value = ((figures.get("ms_per_image") or {}).get(runtime) or {}).get(batch)
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else None
+
+    batches = sorted({b for f in (pruned, dense) for r in (f.get("ms_per_image") or {}).values() if isinstance(r, Mapping)
+                      for b in r}, key=lambda b: -int(b) if str(b).isdigit() else 0)
+    for runtime, batch in [*LATENCY_PREFERENCE, *((r, b) for r in ("ort", "torch") for b in batches)]:
+        slow, fast = ms(pruned, runtime, batch), ms(dense, runtime, batch)
+        if slow is not None and fast is not None:
+            break
+    else:
+        return None
+    if slow <= fast * (1 + tolerance):
+        return None
+    where = f"{RUNTIME_NAMES[runtime]} at batch {batch} ({slow:.3g} vs {fast:.3g} ms per image)"
+    if granularity == "channel":
+        now = f" (this run: {channel_multiple})" if channel_multiple is not None else ""
+        advice = (f"kept channel counts that CPU kernels do not block well are slow: prune with "
+                  f"--pruning.channel_multiple 8 or 16{now}")
+    else:
+        advice = ("weight pruning keeps every tensor's shape, so it does not run faster: remove channels with "
+                  "--pruning.granularity channel --pruning.channel_multiple 8 or 16")
+    return f"the pruned network is {slow / fast:.2g}x slower than the dense one in {where}; {advice}"

@@ -3,12 +3,17 @@
 accuracy per group, and perplexity against bias for LM comparisons.
 
 Each comparison plot has a ``*_figure`` builder (the figure, for inspection) and a ``plot_*``
-function that saves it; legends sit beside the axes so they never cover data."""
+function that saves it; legends sit beside the axes so they never cover data.
+
+Names (groups, methods, axes, columns) are data and are drawn as written: every figure is built and
+saved with mathtext and TeX off (:func:`_literal_text`), so a ``$`` in a group name is a dollar sign,
+not the start of a formula matplotlib cannot parse."""
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +29,25 @@ def _plt():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+#: Text drawn literally: no mathtext (``$...$``) and no TeX, whatever matplotlibrc says.
+LITERAL_TEXT = {"text.parse_math": False, "text.usetex": False}
+
+
+def _literal_text(build: Callable) -> Callable:
+    """Run ``build`` (a figure builder or :func:`_save`) with :data:`LITERAL_TEXT`: every text object
+    it makes (titles, axis and tick labels, legend entries, annotations, and the tick labels made
+    when the figure is drawn) shows its string as it is."""
+
+    @functools.wraps(build)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        import matplotlib
+
+        with matplotlib.rc_context(LITERAL_TEXT):
+            return build(*args, **kwargs)
+
+    return wrapper
 
 
 def confidence_ellipse(points, level_chi2: float = 5.991) -> tuple[tuple[float, float], float, float, float] | None:
@@ -73,6 +97,7 @@ def _legend_beside(ax, handles=None, title: str | None = None):
                      bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0)
 
 
+@_literal_text
 def error_rate_figure(reports: dict[str, Any]):
     """The figure of :func:`plot_error_rate_changes`: colour says the run, marker the group."""
     from matplotlib.lines import Line2D
@@ -118,6 +143,7 @@ def plot_error_rate_changes(reports: dict[str, Any], path: str | os.PathLike) ->
     return _save(error_rate_figure(reports), path)
 
 
+@_literal_text
 def group_shares_figure(shares: pd.DataFrame):
     """The figure of :func:`plot_group_shares`. Targets often lie on the kept shares, so they are
     drawn over them, dashed with a white casing, to stay visible."""
@@ -151,6 +177,7 @@ def plot_group_shares(shares: pd.DataFrame, path: str | os.PathLike) -> Path:
     return _save(group_shares_figure(shares), path)
 
 
+@_literal_text
 def group_accuracy_figure(table: pd.DataFrame, index: str = "method"):
     """The figure of :func:`plot_group_accuracy`, or None without per-group accuracy."""
     import numpy as np
@@ -199,6 +226,7 @@ def plot_group_accuracy(table: pd.DataFrame, path: str | os.PathLike, index: str
 LATENCY = "ms/img b32 (ort)"  # the deploy figure the trade-off plot reads (ONNX Runtime, batch 32)
 
 
+@_literal_text
 def latency_tradeoff_figure(table: pd.DataFrame, index: str = "method", latency: str = LATENCY):
     """The figure of :func:`plot_latency_tradeoff`, or None without latency and accuracy."""
     import numpy as np
@@ -262,6 +290,7 @@ def _interval(table: pd.DataFrame, name: str, values: pd.Series):
     return np.vstack([(values - low).clip(lower=0).fillna(0), (high - values).clip(lower=0).fillna(0)])
 
 
+@_literal_text
 def quality_bias_figure(table: pd.DataFrame, index: str = "method"):
     """The figure of :func:`plot_quality_bias`, or None when the table has no perplexity or no
     bias figure (not an LM comparison)."""
@@ -338,6 +367,7 @@ def plot_quality_bias(table: pd.DataFrame, path: str | os.PathLike, index: str =
     return None if fig is None else _save(fig, path)
 
 
+@_literal_text
 def plot_head_heatmap(impact, axes: Sequence[str], protected: Sequence[tuple[int, int]] = (),
                       removed: Sequence[tuple[int, int]] = (), path: str | os.PathLike = "heads_heatmap.png") -> Path:
     """Layer × head map of each head's bias impact, ``impact[layer, head]`` = bias with the head
@@ -363,6 +393,7 @@ def plot_head_heatmap(impact, axes: Sequence[str], protected: Sequence[tuple[int
     return _save(fig, path)
 
 
+@_literal_text
 def plot_axis_correlation(bias: pd.DataFrame, path: str | os.PathLike = "axis_correlation.png") -> Path:
     """Pearson correlation between axes of the heads' bias scores (``bias``: one row per head,
     one column per axis)."""
@@ -381,6 +412,7 @@ def plot_axis_correlation(bias: pd.DataFrame, path: str | os.PathLike = "axis_co
     return _save(fig, path)
 
 
+@_literal_text
 def _save(fig, path: str | os.PathLike) -> Path:
     """Write ``fig`` (tight layout, 120 dpi), creating the folder, and close it."""
     path = Path(path)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fairprune.errors import UserError
+from fairprune.hub.checks import available_memory, human_bytes
 from fairprune.models.deploy import input_shape_of, plain_copy
 from fairprune.models.onnx_export import DYNAMO_MIN_OPSET, export_onnx, max_abs_differences, ort_session
 from fairprune.storage.atomic import replace_atomically
@@ -40,6 +41,51 @@ def _check_writable(path: Path, output: str) -> None:
                         "pass a file in a folder you can write to") from None
 
 
+def activation_numel(network: Any, shape: tuple[int, ...], batch: int) -> int | None:
+    """Numbers every layer of ``network`` outputs for a ``batch`` of images of ``shape``, summed:
+    the network run on the meta device (shapes only, nothing allocated); None when it cannot be."""
+    import copy
+
+    import torch
+
+    outputs = [0]
+
+    def count(_module: Any, _inputs: Any, output: Any) -> None:
+        for tensor in output if isinstance(output, (tuple, list)) else [output]:
+            if isinstance(tensor, torch.Tensor):
+                outputs[0] += tensor.numel()
+
+    try:
+        meta = copy.deepcopy(network).to("meta")
+        handles = [m.register_forward_hook(count) for m in meta.modules() if not list(m.children())]
+        with torch.no_grad():
+            meta(torch.empty(batch, *shape, device="meta"))
+        for handle in handles:
+            handle.remove()
+    except Exception:  # noqa: BLE001 - a layer meta tensors cannot run: the input alone is checked
+        return None
+    return outputs[0]
+
+
+def check_memory(shape: tuple[int, ...], network: Any = None, source: str = "the checkpoint's image_size") -> None:
+    """Refuse, in one line, an input size whose check batches cannot fit in the memory available
+    now: the largest check batch's input (float32) and, given the network, every layer's output for
+    it (a rough bound on the activations PyTorch, the exporter and ONNX Runtime hold)."""
+    available = available_memory()
+    batch = max(CHECK_BATCHES)
+    numel = batch
+    for size in shape:
+        numel *= int(size)
+    needed = 4 * numel
+    activations = activation_numel(network, shape, batch) if network is not None else None
+    needed += 4 * (activations or 0)
+    if available is not None and needed > available:
+        what = "input and activations" if activations else "input"
+        raise UserError(f"images of {' x '.join(map(str, shape))} ({source}) need about {human_bytes(needed)} for the "
+                        f"{what} of a check batch of {batch}, more than the {human_bytes(available)} of memory "
+                        "available; pass a smaller --image_size (the size the model was trained at)")
+
+
 def export_vision(ckpt: str, output: str = "model.onnx", opset: int = DYNAMO_MIN_OPSET, atol: float = 1e-4,
                   image_size: int | None = None, dynamo: bool = True) -> dict[str, Any]:
     """Export a vision checkpoint (train.py fit / prune.py vision) to ONNX with a dynamic batch
@@ -62,11 +108,15 @@ def export_vision(ckpt: str, output: str = "model.onnx", opset: int = DYNAMO_MIN
         raise UserError(f"--image_size must be a positive number of pixels; got {image_size}")
     check_apart([path], [ckpt])  # the ONNX file must not replace the checkpoint it is exported from
     _check_writable(path, output)  # before the checkpoint is loaded
+    source = f"--image_size {image_size}" if image_size else "the checkpoint's image_size"
+    if image_size:
+        check_memory((3, image_size, image_size), source=source)  # the input alone, before anything is loaded
     model, datamodule = load_trained(ckpt)
     shape = (3, image_size, image_size) if image_size else input_shape_of(datamodule)
     if shape is None:
         raise UserError(f"checkpoint '{ckpt}' records no image_size for its data; pass --image_size")
     network = plain_copy(getattr(model, "net", model))
+    check_memory(shape, network, source)
     found: dict[str, Any] = {}
 
     def write(tmp: Path) -> None:

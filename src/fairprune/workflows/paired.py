@@ -11,6 +11,8 @@ interval is much narrower than the two runs' own intervals side by side.
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -79,18 +81,136 @@ def save_items(folder: Path, outcomes: dict[str, np.ndarray]) -> None:
     tmp.replace(folder / ITEMS)
 
 
-def load_items(folder: Path) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+class BadItems(ValueError):
+    """A cell's ``test_items.npz`` that cannot be what the run measured (the message says why)."""
+
+
+def read_items(folder: Path, groups: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A cell's per-item outcomes ``(correct, group, item)``, checked before anything reads them:
+    three 1-D arrays of one length, bool (or 0/1) outcomes, integer group ids in ``range(groups)``
+    and item ids ``0 .. n-1`` in order, read without pickle. Anything else raises :class:`BadItems`."""
+    path = folder / ITEMS
+    if not path.is_file():
+        raise BadItems("is missing")
+    arrays: dict[str, np.ndarray] = {}
     try:
-        with np.load(folder / ITEMS, allow_pickle=False) as data:
-            return data["correct"], data["group"], data["item"]
-    except (OSError, KeyError, ValueError):
+        with np.load(path, allow_pickle=False) as data:
+            if not hasattr(data, "files"):
+                raise BadItems("is a single array, not the .npz of arrays correct, group and item")
+            for key in ("correct", "group", "item"):
+                if key not in data.files:
+                    raise BadItems(f"has no '{key}' array")
+                try:
+                    arrays[key] = np.asarray(data[key])
+                except ValueError:  # an object array needs pickle, which is refused
+                    raise BadItems(f"holds '{key}' as an array of Python objects, not plain numbers") from None
+    except BadItems:
+        raise
+    except Exception as err:  # not an npz, a cut or corrupt zip
+        raise BadItems(f"is not a readable .npz file ({type(err).__name__}: {' '.join(str(err).split())[:80]})") from None
+    correct, group, item = arrays["correct"], arrays["group"], arrays["item"]
+    for key, values in arrays.items():
+        if values.ndim != 1:
+            raise BadItems(f"holds '{key}' with shape {values.shape}, not one value per test item")
+    n = len(correct)
+    if len(group) != n or len(item) != n:
+        raise BadItems(f"holds arrays of different lengths (correct {n}, group {len(group)}, item {len(item)})")
+    if n == 0:
+        raise BadItems("holds no items")
+    if correct.dtype != np.bool_:
+        if not (np.issubdtype(correct.dtype, np.integer) and np.isin(correct, (0, 1)).all()):
+            raise BadItems(f"holds 'correct' as {correct.dtype}, not true/false per item")
+        correct = correct.astype(bool)
+    if not np.issubdtype(group.dtype, np.integer):
+        raise BadItems(f"holds 'group' as {group.dtype}, not integer group ids")
+    if group.min() < 0 or (groups is not None and group.max() >= groups):
+        raise BadItems(f"holds group ids from {group.min()} to {group.max()}, outside 0..{groups - 1} ({groups} groups)"
+                       if groups is not None else f"holds a negative group id ({group.min()})")
+    if not np.issubdtype(item.dtype, np.integer) or not np.array_equal(item, np.arange(n)):
+        raise BadItems(f"holds item ids that are not 0..{n - 1} in the test split's order")
+    return correct, group.astype(np.int64), item.astype(np.int64)
+
+
+def load_items(folder: Path, groups: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """:func:`read_items`, or None for a missing or bad file."""
+    try:
+        return read_items(folder, groups)
+    except BadItems:
         return None
 
 
+Items = tuple[np.ndarray, np.ndarray, np.ndarray]
+
+
+def _warn(notes: list[str] | None, line: str) -> None:
+    print(f"[compare] warning: {line}", flush=True)
+    if notes is not None:
+        notes.append(line)
+
+
+def _measure_again(folder: Path, reason: str, groups: int | None, remeasure: Callable[[Path], None] | None,
+                   notes: list[str] | None) -> Items | None:
+    """One warning line saying what is wrong with ``folder``'s items; then the cell measured
+    again (``remeasure``) and its new file read, or None with a warning when that is not possible."""
+    path = folder / ITEMS
+    if remeasure is None:
+        _warn(notes, f"{path} {reason}; the cell cannot be measured again here, so its paired columns are left out")
+        return None
+    _warn(notes, f"{path} {reason}; the cell is measured again from its checkpoints/last.ckpt")
+    try:
+        remeasure(folder)
+        return read_items(folder, groups)
+    except Exception as err:  # noqa: BLE001 - the comparison stands without this cell's paired figures
+        why = " ".join(str(err).split())[:200] or type(err).__name__
+        _warn(notes, f"{path} could not be measured again ({why}); its paired columns are left out "
+                     "(delete the cell's folder and run compare again to run it afresh)")
+        return None
+
+
+def checked_items(folders: Mapping[str, list[Path]], groups: int | None = None,
+                  remeasure: Callable[[Path], None] | None = None, notes: list[str] | None = None) -> dict[Path, Items | None]:
+    """Every cell's items (name → its run folder per seed), checked: each file on its own
+    (:func:`read_items`), then against the other cells of its seed, which all tested the same
+    items (a file whose group ids differ from most cells', e.g. one cut short, is bad too). A bad
+    or missing file is one warning line, and ``remeasure(folder)`` (the cell's model tested
+    again, its items written afresh) runs; None for a cell whose items stay bad (its paired columns
+    are left out, with a warning)."""
+    found: dict[Path, Items | None] = {}
+    for cell in folders.values():
+        for folder in cell:
+            try:
+                found[folder] = read_items(folder, groups)
+            except BadItems as err:
+                found[folder] = _measure_again(folder, str(err), groups, remeasure, notes)
+    for i in range(max((len(cell) for cell in folders.values()), default=0)):  # per seed
+        cells = [cell[i] for cell in folders.values() if i < len(cell) and found[cell[i]] is not None]
+        signature = {f: (len(found[f][1]), found[f][1].tobytes()) for f in cells}  # type: ignore[index]
+        if len(set(signature.values())) < 2:
+            continue
+        tally = Counter(signature.values())
+        usual = max(tally, key=lambda key: tally[key])  # ties: the first cell's (compare's order)
+        for folder in cells:
+            if signature[folder] != usual:
+                reason = (f"holds {signature[folder][0]} items whose groups differ from the {usual[0]} items the other "
+                          f"cells of this compare tested")
+                found[folder] = _measure_again(folder, reason, groups, remeasure, notes)
+                if found[folder] is not None and (len(found[folder][1]), found[folder][1].tobytes()) != usual:
+                    _warn(notes, f"{folder / ITEMS} measured again still differs from the other cells' test items; "
+                                 "its paired columns are left out")
+                    found[folder] = None
+    return found
+
+
 def paired_rows(cells: dict[str, list[Path]], baseline: str, group_names: list[str],
-                reference: dict[str, Any] | None, seed: int = 0) -> dict[str, dict[str, Any]]:
-    """Each cell (name → its run folder per seed) against the ``baseline`` cell."""
-    base = [load_items(f) for f in cells.get(baseline, [])]
+                reference: dict[str, Any] | None, seed: int = 0,
+                items: Mapping[Path, Items | None] | None = None) -> dict[str, dict[str, Any]]:
+    """Each cell (name → its run folder per seed) against the ``baseline`` cell; ``items``: the
+    cells' checked items by folder (:func:`checked_items`; default: each file as read, bad ones
+    left out)."""
+    def get(folder: Path) -> Items | None:
+        return items.get(folder) if items is not None else load_items(folder, len(group_names))
+
+    base = [get(f) for f in cells.get(baseline, [])]
     if not base or any(b is None for b in base):
         return {}
     ref = None
@@ -101,21 +221,25 @@ def paired_rows(cells: dict[str, list[Path]], baseline: str, group_names: list[s
     for name, folders in cells.items():
         if name == baseline:
             continue
-        runs = [load_items(f) for f in folders]
+        runs = [get(f) for f in folders]
         if any(r is None for r in runs) or len(runs) != len(base):
             continue
+        if any(not (np.array_equal(r[1], b[1]) and np.array_equal(r[2], b[2])) for r, b in zip(runs, base)):
+            continue  # not the same items (checked_items has said so)
         out[name] = paired_difference(runs, base, ref, seed=seed)
     return out
 
 
 def compare_statistics(reports: dict[str, list[dict[str, Any]]], folders: dict[str, list[Path]], firsts: list[dict[str, Any]],
                        methods: list[str], sparsities: list[float], baseline: str, dense_rows: list[tuple[str, str]],
-                       seed: int = 0, granularities: list[str] | None = None) -> tuple[list, list]:
+                       seed: int = 0, granularities: list[str] | None = None,
+                       remeasure: Callable[[Path], None] | None = None, notes: list[str] | None = None) -> tuple[list, list]:
     """The intervals of every row and each method's paired difference against ``baseline`` at
     the same sparsity and granularity, as :func:`fairprune.reporting.compare.write_comparison` takes
     them. ``dense_rows``: (row label, report key) of the dense rows; ``firsts``: per seed, a report
     holding the dense figures; ``granularities``: None for a compare without that dimension (the
-    keys then leave it out)."""
+    keys then leave it out). Each cell's ``test_items.npz`` is checked first (:func:`checked_items`:
+    ``remeasure`` tests a cell with a bad one again, ``notes`` collects the warnings)."""
     levels = granularities or ["weight"]
 
     def cell_key(m: str, s: float, g: str) -> dict[str, Any]:
@@ -129,9 +253,10 @@ def compare_statistics(reports: dict[str, list[dict[str, Any]]], folders: dict[s
     paired = []
     if firsts:
         names = list(firsts[0].get("groups") or {})
+        items = checked_items(folders, len(names) or None, remeasure, notes)
         for g in levels:
             for s in sparsities:
                 cells = {m: folders[cell_name(m, s, g)] for m in methods if cell_name(m, s, g) in folders}
-                for method, result in paired_rows(cells, baseline, names, firsts[0].get("reference"), seed).items():
+                for method, result in paired_rows(cells, baseline, names, firsts[0].get("reference"), seed, items).items():
                     paired.append((cell_key(method, s, g), result))
     return intervals, paired

@@ -31,7 +31,7 @@ from fairprune.callbacks.report import ReportWriter
 from fairprune.callbacks.signals import CheckpointOnStop, stop_in, stops_reported
 from fairprune.errors import UserError
 from fairprune.metrics.group.bootstrap import bootstrap
-from fairprune.models.deploy import deploy_report, input_shape_of
+from fairprune.models.deploy import deploy_report, input_shape_of, slower_than_dense
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.plots import plot_error_rate_changes, plot_group_shares
 from fairprune.reporting.records import VisionReport, VisionRow
@@ -188,10 +188,25 @@ def _prune(ckpt: str, pruning: dict[str, Any], callback: IterativePruning, outpu
             if deploy:  # the pruned network beside the dense checkpoint's, measured in one run
                 report["deploy"] = deploy_report({"pruned": model.net, "dense": load_trained(ckpt, data)[0].net},
                                                  input_shape_of(datamodule))
+                slower = slower_than_dense(report["deploy"], callback.granularity, callback.channel_multiple)
+                if slower:  # the deploy figures say pruning cost speed: one line with what to change
+                    report["warnings"].append(slower)
             write_json(run / writer.filename, report)
             for warning in report["warnings"]:
                 print(f"[prune] warning: {warning}", flush=True)
     return report, callback
+
+
+def measure_items_again(folder: Path, data: DataOptions | None = None) -> None:
+    """Write a cell's ``test_items.npz`` afresh (compare found it missing or bad): the model of its
+    ``checkpoints/last.ckpt`` (the one its report tested) on the test split, item by item."""
+    import torch
+
+    model, datamodule = load_trained(folder / "checkpoints" / "last.ckpt", data)
+    datamodule.setup("test")
+    if torch.cuda.is_available():
+        model = model.cuda()
+    save_items(folder, item_outcomes(model, datamodule.test_dataloader()))
 
 
 def _check_resume(resume: str, callback: IterativePruning) -> None:
@@ -445,7 +460,8 @@ def compare_vision(
     dense_rows = [(row.method, key) for row, key in ((VisionRow.dense(firsts[0]), "dense"),
                                                      (VisionRow.continued(firsts[0]), "reference")) if row] if firsts else []
     intervals, paired = compare_statistics(reports, {n: [Path(p) for p in folders[n]] for n in folders}, firsts, methods,
-                                           sparsities, baseline, dense_rows, seed, granularities=levels if shown else None)
+                                           sparsities, baseline, dense_rows, seed, granularities=levels if shown else None,
+                                           remeasure=lambda folder: measure_items_again(folder, data), notes=warnings)
     extra = {"runs": runs, "seeds": seeds, "dense_per_seed": dense_per_seed, "bn_recalibration": recalibration,
              "reference": reference, "warnings": warnings, "seconds": {"total": time.perf_counter() - start},
              "data": next((r["data"] for cell in reports.values() for r in cell if r.get("data")), {})}  # kept / left out
