@@ -17,8 +17,12 @@ batch and reduce themselves across processes (see ``sparsegpt.Hessian.value``): 
 them out whole) and the layers are pruned from the statistics of all ranks, which sum every
 batch's term exactly, so the result does not depend on the number of ranks.
 
-Aligned pairs (Debias-SparseGPT) travel as one batch ``cat([side0, side1])``; the layer hook
-splits it back in halves and calls ``stat.add_pair(x0, x1, mask)``.
+Aligned pairs (Debias-SparseGPT) are batched like windows: ``pair_batch_size`` pairs travel as one
+batch ``cat([side0, side1])``, one forward for both sides, cut to the batch's longest pair and
+right-padded with an attention mask (:func:`make_inputs`), so the tokens of each pair get exactly
+the activations they get alone (a causal model: right padding comes after them). The layer hook
+splits the batch back in halves and calls ``stat.add_pair(x0, x1, mask)`` once per batch: one
+product and one exact-sum term for the whole batch (``sparsegpt.PairedHessian``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ from tqdm.auto import tqdm
 from fairprune import distributed
 from fairprune.families import Family
 
+#: Aligned pairs per calibration batch: one forward of 2·32 sentences, one statistics term.
+PAIR_BATCH = 32
+
 
 @dataclass
 class CalibInput:
@@ -42,6 +49,7 @@ class CalibInput:
     ids: torch.Tensor  # [batch, seq]
     paired: bool = False
     mask: torch.Tensor | None = None  # [batch (pairs), seq]: tokens that count in statistics
+    attention: torch.Tensor | None = None  # [batch, seq]: 1 a token, 0 right padding (None: no padding)
 
 
 @dataclass
@@ -58,19 +66,52 @@ def make_inputs(
     calib_ids: torch.Tensor | None,
     pairs: tuple[torch.Tensor, ...] | None = None,
     batch_size: int = 1,
+    pair_batch_size: int = PAIR_BATCH,
 ) -> list[CalibInput]:
-    """Split plain ids [n, seq] and aligned pairs (ids0, ids1[, mask]) into calibration batches."""
+    """Split plain ids [n, seq] into batches of ``batch_size`` windows and aligned pairs
+    (ids0, ids1[, mask]) into batches of ``pair_batch_size`` pairs.
+
+    A pair batch is ``cat([ids0[part], ids1[part]])``. With a mask, what follows a pair's last
+    counted token is padding: the batch is cut after its longest pair's last counted token, and
+    the rest of each shorter pair is masked out of attention (``attention``, the same for both
+    sides). Being right padding it changes nothing before it in a causal model, so every counted
+    token has the activations it has in the pair's own forward; positions inside a pair's span
+    that the mask leaves out (e.g. the shorter side's padding up to the longer side) run as they
+    would alone and are left out of the statistics by ``mask``."""
     inputs = []
     if calib_ids is not None:
         inputs += [CalibInput(chunk) for chunk in calib_ids.split(batch_size) if len(chunk)]  # a rank's share may be empty
     if pairs is not None:
         ids0, ids1 = pairs[0], pairs[1]
         mask = pairs[2] if len(pairs) > 2 else None
-        for start in range(0, len(ids0), batch_size):
-            part = slice(start, start + batch_size)
-            both = torch.cat([ids0[part], ids1[part]])
-            inputs.append(CalibInput(both, True, None if mask is None else mask[part]))
+        for start in range(0, len(ids0), pair_batch_size):
+            part = slice(start, start + pair_batch_size)
+            side0, side1, counted, attention = ids0[part], ids1[part], None, None
+            if mask is not None:
+                counted = mask[part].bool()
+                positions = torch.arange(1, counted.shape[1] + 1)
+                ends = torch.where(counted, positions, 0).amax(1).clamp(min=1)  # one past each pair's last counted token
+                length = int(ends.max())
+                side0, side1, counted = side0[:, :length], side1[:, :length], counted[:, :length]
+                real = positions[:length] <= ends[:, None]
+                if not bool(real.all()):
+                    attention = torch.cat([real, real]).long()
+            inputs.append(CalibInput(torch.cat([side0, side1]), True, counted, attention))
     return inputs
+
+
+def rank_inputs(
+    calib_ids: torch.Tensor | None,
+    pairs: tuple[torch.Tensor, ...] | None = None,
+    batch_size: int = 1,
+    pair_batch_size: int = PAIR_BATCH,
+) -> list[CalibInput]:
+    """This rank's share of the calibration batches (all of them in one process): windows and
+    pairs are cut into batches (:func:`make_inputs`) before they are dealt out, so each batch holds
+    the same windows or pairs on any number of ranks and the statistics add the same per-batch
+    terms (see sparsegpt's module docstring): the result is exact."""
+    return [*distributed.shard(make_inputs(calib_ids, None, batch_size)),
+            *distributed.shard(make_inputs(None, pairs, batch_size, pair_batch_size))]
 
 
 class _Captured(Exception):
@@ -97,7 +138,8 @@ def capture_block_inputs(model: nn.Module, family: Family, inputs: list[CalibInp
     try:
         for current in inputs:
             try:
-                model(input_ids=current.ids.to(device), use_cache=False)
+                padded = {} if current.attention is None else {"attention_mask": current.attention.to(device)}
+                model(input_ids=current.ids.to(device), **padded, use_cache=False)
             except _Captured:
                 pass
     finally:
@@ -163,6 +205,8 @@ def _collect(block: nn.Module, layers: dict, stats: dict, batches: list[BlockInp
             fed[id(x)] = (x, index)
             stat, source = stats[name], current[0]
             x = x.detach()
+            if x.dim() == 2 and x.shape[0] == source.ids.numel():  # flattened to [batch·seq, cols] (OPT's MLP)
+                x = x.view(*source.ids.shape, x.shape[-1])
             if source.paired:
                 x0, x1 = x.chunk(2)
                 stat.add_pair(x0, x1, source.mask)

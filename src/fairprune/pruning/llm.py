@@ -30,7 +30,7 @@ from fairprune.metrics.language import LMItems, measure_lm_items
 from fairprune.metrics.language import eval_ids as tokenize_eval
 from fairprune.metrics.lm_bootstrap import lm_intervals, lm_paired
 from fairprune.pruning import registry
-from fairprune.pruning.calibration import make_inputs, run_layerwise
+from fairprune.pruning.calibration import PAIR_BATCH, rank_inputs, run_layerwise
 from fairprune.pruning.masks import Target, achieved_sparsity, sparsity_table
 from fairprune.pruning.registry import Method
 from fairprune.pruning.select import magnitude, n_m, top_k
@@ -134,6 +134,7 @@ def prune_causal_lm(
     blocksize: int = 128,
     progress: bool = True,
     batch_size: int = 1,
+    pair_batch_size: int = PAIR_BATCH,
 ) -> dict:
     """Prune ``model`` in place and return ``{"layers": {name: sparsity}, "achieved_sparsity", "seconds", ...}``.
 
@@ -143,6 +144,8 @@ def prune_causal_lm(
     or N:M. ``calib_ids`` [n, seq]: calibration token ids (optional extra data for a paired
     method). ``pairs``: ``(ids0, ids1)`` or ``(ids0, ids1, mask)`` token-aligned stereotypical /
     anti-stereotypical batches (paired methods only), e.g. from ``fairprune.data.text.paired_ids``.
+    ``batch_size`` windows and ``pair_batch_size`` pairs make one calibration batch (one forward,
+    one statistics term each; :func:`fairprune.pruning.calibration.make_inputs`).
 
     Under ``torch.distributed`` every rank passes the same full ``calib_ids`` / ``pairs`` and
     calibrates on its share of the batches; all ranks end with one process's weights.
@@ -168,11 +171,7 @@ def prune_causal_lm(
         def make_stat(name: str, layer: nn.Module):
             return entry.make_statistic(linear_weight(layer).shape[1], device=device)
 
-        # This rank's share of the batches (all of them in one process). Batches are cut before they
-        # are dealt out, so each holds the same windows on any number of ranks: the statistics add
-        # the same per-batch terms (see sparsegpt's module docstring), and the result is exact.
-        inputs = [*distributed.shard(make_inputs(calib_ids, None, batch_size)),
-                  *distributed.shard(make_inputs(None, pairs, batch_size))]
+        inputs = rank_inputs(calib_ids, pairs, batch_size, pair_batch_size)  # this rank's share of the batches
         run_layerwise(model, family, inputs, device, make_stat, prune, progress, desc=method)
     layers = sparsity_by_layer(model, family)
     return {

@@ -18,6 +18,10 @@ Two Hessians feed the same solver:
   ΔX part is ≈ two sentences' second moment, so both sources carry comparable weight while the
   ``2ΔXΔXᵀ`` term makes directions in which the pair differs expensive to disturb.
 
+A batch of pairs adds one product ``ZᵀZ`` of the stacked ``Z = [X0; X1; √2·ΔX]`` (the counted
+tokens of every pair of the batch, side 0, side 1 and their scaled difference): the same sum of
+the three terms per pair, at the cost of one product over the batch's tokens, as SparseGPT's.
+
 Both keep the sum of the per-batch products (each computed in float32) in a
 :class:`fairprune.distributed.ExactSum` and divide by the sample count in :meth:`value`. Under
 ``torch.distributed`` (torchrun: each rank calibrates on its share of the batches) the sums and
@@ -43,6 +47,9 @@ def _tokens(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     if mask is not None:
         x = x[mask.to(x.device, torch.bool)]
     return x.reshape(-1, x.shape[-1]).float()
+
+
+_SQRT2 = math.sqrt(2.0)
 
 
 def _batch_size(x: torch.Tensor) -> int:
@@ -87,16 +94,22 @@ class PairedHessian:
         self.plain = Hessian(columns, device, dtype)
 
     def add_pair(self, x0: torch.Tensor, x1: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        """Add the inputs of two token-aligned batches (same shape: side 0 and side 1 of each pair)."""
+        """Add a batch of pairs: the inputs of two token-aligned batches (same shape [pairs, seq,
+        cols]: side 0 and side 1 of each pair); ``mask`` [pairs, seq] selects the tokens that count.
+        One product of the stacked ``[X0; X1; √2·ΔX]``, one exact-sum term, whatever the pair count."""
         if x0.shape != x1.shape:
             raise UserError(
                 f"paired inputs must align token-wise, got shapes {tuple(x0.shape)} and {tuple(x1.shape)}; "
                 "pad or truncate both sides of every pair to the same length"
             )
         a, c = _tokens(x0, mask).to(self.dtype), _tokens(x1, mask).to(self.dtype)
-        d = a - c
+        tokens = len(a)
+        stacked = torch.empty(3 * tokens, a.shape[1], dtype=self.dtype, device=a.device)
+        stacked[:tokens], stacked[tokens : 2 * tokens] = a, c
+        torch.sub(a, c, out=stacked[2 * tokens :]).mul_(_SQRT2)
+        del a, c
         self.pairs += _batch_size(x0)  # every pair gets weight 1/P
-        self.sum.add(a.T @ a + c.T @ c + 2 * d.T @ d)
+        self.sum.add(stacked.T @ stacked)
 
     def add_batch(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Add unpaired inputs (plain SparseGPT term)."""

@@ -52,7 +52,7 @@ from fairprune.families import _get, family_of, linear_weight
 from fairprune.hub.checks import nonfinite
 from fairprune.hub.shards import ShardReader, ShardWriter
 from fairprune.pruning import registry
-from fairprune.pruning.calibration import BlockInput, _collect, _hidden, capture_block_inputs, make_inputs
+from fairprune.pruning.calibration import PAIR_BATCH, BlockInput, _collect, _hidden, capture_block_inputs, rank_inputs
 from fairprune.pruning.llm import _validate, solve_layer
 from fairprune.pruning.masks import Target, sparsity_table
 from fairprune.pruning.sparsity import Sparsity
@@ -333,6 +333,7 @@ def prune_streamed(
     writer: ShardWriter | None = None,
     progress: bool = True,
     batch_size: int = 1,
+    pair_batch_size: int = PAIR_BATCH,
 ) -> dict[str, Any]:
     """:func:`~fairprune.pruning.llm.prune_causal_lm` of a :class:`StreamedModel`, one block
     resident at a time; each pruned block goes to ``writer`` (then every tensor the blocks do
@@ -348,9 +349,7 @@ def prune_streamed(
     solve_seconds = 0.0
     batches: list[BlockInput] = []
     if entry.statistic is not None:
-        # This rank's share of whole batches, as prune_causal_lm deals them (all of them alone).
-        inputs = [*distributed.shard(make_inputs(calib_ids, None, batch_size)),
-                  *distributed.shard(make_inputs(None, pairs, batch_size))]
+        inputs = rank_inputs(calib_ids, pairs, batch_size, pair_batch_size)  # as prune_causal_lm deals them
         with sm.loaded(*sm.front_modules(), device="cpu"):  # capture_block_inputs moves them to the device
             batches = capture_block_inputs(model, family, inputs, device)
     dense_rows, rows = [], []
