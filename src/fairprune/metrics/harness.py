@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import string
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -314,8 +315,9 @@ def run_tasks(model, tokenizer, specs: Sequence[TaskSpec], *, limit: float | Non
             entry = items.tasks.get(name, {"doc_ids": []})
             fact = {"data": spec.data or "lm-eval stock", "scoring": spec.scoring, "samples": len(entry["doc_ids"])}
             if entry.get("letters"):
-                shares = np.bincount(entry["letters"], minlength=len(LETTERS)) / len(entry["letters"])
-                fact["letter_shares"] = {letter: float(s) for letter, s in zip(LETTERS, shares)}
+                letters = string.ascii_uppercase[:entry.get("choices") or len(LETTERS)]
+                shares = np.bincount(entry["letters"], minlength=len(letters)) / len(entry["letters"])
+                fact["letter_shares"] = {letter: float(s) for letter, s in zip(letters, shares)}
             facts[name] = fact
     return TaskResults(figures, items, facts, time.perf_counter() - start)
 
@@ -333,6 +335,7 @@ def letter_warnings(facts: dict[str, Any], model: str) -> list[str]:
         shares = fact.get("letter_shares") if isinstance(fact, dict) else None
         if shares and max(shares.values()) >= ONE_LETTER_SHARE:
             letter, share = max(shares.items(), key=lambda kv: kv[1])
+            cloze = {"bbq_ambig_letter": "bbq_ambig"}.get(name)
             lines.append(f"warning: {model} answers {letter} to {share:.0%} of {name}'s letter prompts: a position bias, "
-                         "not a measurement; read the cloze scoring (bbq_ambig) beside it")
+                         "not a measurement" + (f"; read the cloze scoring ({cloze}) beside it" if cloze else ""))
     return lines

@@ -96,6 +96,7 @@ def task_entry(samples: list[dict[str, Any]], letters: bool = False) -> dict[str
                 entry["values"][metric] = [float(v) for v in values]
     if letters:  # the letter answered (0 = A): the argmax over the choices' log-likelihoods
         entry["letters"] = [int(np.argmax([float(r[0]) for r in s["filtered_resps"]])) for s in samples]
+        entry["choices"] = max((len(s["filtered_resps"]) for s in samples), default=0)
     return entry
 
 
