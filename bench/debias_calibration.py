@@ -140,6 +140,10 @@ def markdown(report: dict) -> str:
         + ", ".join(f"{n} {r:.2f}×" for n, r in same["by_run"].items()) + ".", "",
         f"Target: batched Debias ≤ 1.5× SparseGPT — measured {ratio:.2f}× (fastest runs), {same['ratio']:.2f}× "
         f"(same solve): {'met' if worst <= 1.5 else 'not met'}.", "",
+        f"Per calibration token: SparseGPT sees {s['nsamples'] * s['seqlen']} tokens, Debias-SparseGPT those and "
+        f"{2 * s['pair_tokens']} pair tokens (both sides); calibration seconds per 1,000 tokens: "
+        + ", ".join(f"{n} {1000 * (r['wall_s'] - r['solve_s']) / (s['nsamples'] * s['seqlen'] + (0 if n == 'sparsegpt' else 2 * s['pair_tokens'])):.2f}"
+                    for n, r in runs.items()) + ".", "",
         "Batched against per pair (the same method, the same data):", "",
         f"- block 0's Hessians: largest |ΔH| / max|H| {gap['largest_relative_gap']:.1e}; exact-sum terms per layer "
         f"{gap['exact_sum_terms']['batched']} (batched) vs {gap['exact_sum_terms']['per pair']} (per pair);",

@@ -309,6 +309,13 @@ def run_tasks(model, tokenizer, specs: Sequence[TaskSpec], *, limit: float | Non
     items = TaskItems({name: task_entry(found, letters=LOCAL_TASKS.get(name, ("", ""))[1] == "letter")
                        for name, found in samples.items()})
     figures = task_figures(items)
+    return TaskResults(figures, items, task_facts(specs, items, limit, num_fewshot), time.perf_counter() - start)
+
+
+def task_facts(specs: Sequence[TaskSpec], items: TaskItems, limit: float | None, num_fewshot: int | None) -> dict[str, Any]:
+    """What each task was measured on: its file, its scoring, the samples scored and, for letter
+    tasks, the share of each letter among the answers (recomputed from the samples, also when they
+    come from the cache)."""
     facts: dict[str, Any] = {"lm_eval": _lm_eval_version(), "limit": limit, "num_fewshot": num_fewshot}
     for spec in specs:
         for name in [n for n in items.tasks if n == spec.name or n.startswith(f"{spec.name}_")] or [spec.name]:
@@ -319,7 +326,7 @@ def run_tasks(model, tokenizer, specs: Sequence[TaskSpec], *, limit: float | Non
                 shares = np.bincount(entry["letters"], minlength=len(letters)) / len(entry["letters"])
                 fact["letter_shares"] = {letter: float(s) for letter, s in zip(letters, shares)}
             facts[name] = fact
-    return TaskResults(figures, items, facts, time.perf_counter() - start)
+    return facts
 
 
 def _lm_eval_version() -> str:

@@ -69,7 +69,8 @@ def make_inputs(
     pair_batch_size: int = PAIR_BATCH,
 ) -> list[CalibInput]:
     """Split plain ids [n, seq] into batches of ``batch_size`` windows and aligned pairs
-    (ids0, ids1[, mask]) into batches of ``pair_batch_size`` pairs.
+    (ids0, ids1[, mask]) into batches of ``pair_batch_size`` pairs (with a mask, in order of
+    length, so that a batch's pairs are padded little).
 
     A pair batch is ``cat([ids0[part], ids1[part]])``. With a mask, what follows a pair's last
     counted token is padding: the batch is cut after its longest pair's last counted token, and
@@ -84,8 +85,12 @@ def make_inputs(
     if pairs is not None:
         ids0, ids1 = pairs[0], pairs[1]
         mask = pairs[2] if len(pairs) > 2 else None
+        order = torch.arange(len(ids0))
+        if mask is not None:  # pairs of like length batched together: each batch is cut to less padding
+            last = torch.where(mask.bool(), torch.arange(1, mask.shape[1] + 1), 0).amax(1)
+            order = torch.sort(last, stable=True).indices
         for start in range(0, len(ids0), pair_batch_size):
-            part = slice(start, start + pair_batch_size)
+            part = order[start:start + pair_batch_size]
             side0, side1, counted, attention = ids0[part], ids1[part], None, None
             if mask is not None:
                 counted = mask[part].bool()

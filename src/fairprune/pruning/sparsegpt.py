@@ -18,9 +18,10 @@ Two Hessians feed the same solver:
   ΔX part is ≈ two sentences' second moment, so both sources carry comparable weight while the
   ``2ΔXΔXᵀ`` term makes directions in which the pair differs expensive to disturb.
 
-A batch of pairs adds one product ``ZᵀZ`` of the stacked ``Z = [X0; X1; √2·ΔX]`` (the counted
-tokens of every pair of the batch, side 0, side 1 and their scaled difference): the same sum of
-the three terms per pair, at the cost of one product over the batch's tokens, as SparseGPT's.
+A batch of pairs adds one product ``ZᵀZ`` of the stacked ``Z = [(X0+X1)/√2; √(5/2)·ΔX]`` (the
+counted tokens of every pair of the batch): ``ZᵀZ = X0X0ᵀ + X1X1ᵀ + 2ΔXΔXᵀ`` summed over the
+batch's pairs, since ``X0X0ᵀ + X1X1ᵀ = ½(X0+X1)(X0+X1)ᵀ + ½ΔXΔXᵀ``; two rows per pair position,
+one per calibration token, the cost of SparseGPT's product over the same tokens.
 
 Both keep the sum of the per-batch products (each computed in float32) in a
 :class:`fairprune.distributed.ExactSum` and divide by the sample count in :meth:`value`. Under
@@ -49,7 +50,7 @@ def _tokens(x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).float()
 
 
-_SQRT2 = math.sqrt(2.0)
+_SQRT_HALF, _SQRT_FIVE_HALVES = math.sqrt(0.5), math.sqrt(2.5)
 
 
 def _batch_size(x: torch.Tensor) -> int:
@@ -96,7 +97,7 @@ class PairedHessian:
     def add_pair(self, x0: torch.Tensor, x1: torch.Tensor, mask: torch.Tensor | None = None) -> None:
         """Add a batch of pairs: the inputs of two token-aligned batches (same shape [pairs, seq,
         cols]: side 0 and side 1 of each pair); ``mask`` [pairs, seq] selects the tokens that count.
-        One product of the stacked ``[X0; X1; √2·ΔX]``, one exact-sum term, whatever the pair count."""
+        One product of the stacked ``[(X0+X1)/√2; √(5/2)·ΔX]``, one exact-sum term, whatever the pair count."""
         if x0.shape != x1.shape:
             raise UserError(
                 f"paired inputs must align token-wise, got shapes {tuple(x0.shape)} and {tuple(x1.shape)}; "
@@ -104,9 +105,11 @@ class PairedHessian:
             )
         a, c = _tokens(x0, mask).to(self.dtype), _tokens(x1, mask).to(self.dtype)
         tokens = len(a)
-        stacked = torch.empty(3 * tokens, a.shape[1], dtype=self.dtype, device=a.device)
-        stacked[:tokens], stacked[tokens : 2 * tokens] = a, c
-        torch.sub(a, c, out=stacked[2 * tokens :]).mul_(_SQRT2)
+        # X0X0ᵀ + X1X1ᵀ + 2ΔXΔXᵀ = ½(X0+X1)(X0+X1)ᵀ + (5/2)ΔXΔXᵀ: two rows per pair token instead of
+        # three, one calibration row per token as in SparseGPT (the same Hessian to rounding).
+        stacked = torch.empty(2 * tokens, a.shape[1], dtype=self.dtype, device=a.device)
+        torch.add(a, c, out=stacked[:tokens]).mul_(_SQRT_HALF)
+        torch.sub(a, c, out=stacked[tokens:]).mul_(_SQRT_FIVE_HALVES)
         del a, c
         self.pairs += _batch_size(x0)  # every pair gets weight 1/P
         self.sum.add(stacked.T @ stacked)

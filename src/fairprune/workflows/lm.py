@@ -101,9 +101,11 @@ def prune_loaded(model, tokenizer, method: str, sparsity: Sparsity, output: str 
     model.to("cpu")
     attach(report, tasks, None if dense is None else dense.tasks)
     seconds, dense_seconds = report["seconds"], 0.0 if dense is None or shared_dense else dense.seconds
+    task_seconds = seconds.get("tasks", 0.0)  # lm-eval's pass on the pruned model (--tasks) counts as evaluation
     report["seconds"] = {"load": load_seconds, "prune": seconds["prune"], "solve": seconds["solve"],
-                         "evaluate": seconds["evaluate"] + dense_seconds,
-                         "total": load_seconds + dense_seconds + time.perf_counter() - start}
+                         "evaluate": seconds["evaluate"] + dense_seconds + task_seconds,
+                         "total": load_seconds + dense_seconds + time.perf_counter() - start,
+                         **({"tasks": task_seconds} if tasks is not None else {})}
     check_result(model, output, method)  # on every rank (each holds the same model): all stop together
     if distributed.is_main():  # torchrun: every rank holds the same model and figures; one writes
         write_lm_run(output, model, tokenizer, report, config, layers, items, save_format=lm.save_format, nm=sparsity.nm,

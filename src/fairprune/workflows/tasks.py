@@ -31,6 +31,7 @@ from fairprune.metrics.harness import (
     letter_warnings,
     resolve_tasks,
     run_tasks,
+    task_facts,
     task_figures,
     task_intervals,
     task_paired,
@@ -97,7 +98,8 @@ def measure_tasks(model, tokenizer, specs: list[TaskSpec] | None, lm, device, pr
         if items is not None:
             if progress:
                 print(f"[tasks] {who}figures from the cache ({_cache_path(key)})", flush=True)
-            return TaskResults(task_figures(items), items, stored.get("facts") or {}, 0.0, from_cache=True)
+            facts = task_facts(specs, items, lm.limit, lm.num_fewshot)
+            return TaskResults(task_figures(items), items, facts, 0.0, from_cache=True)
     if progress:
         how = "" if offload is None else " (weights offloaded to disk by accelerate)"
         print(f"[tasks] {who}lm-eval{how}: {', '.join(s.name for s in specs)} ...", flush=True)
