@@ -50,47 +50,7 @@ from fairprune.workflows.reference import (
     schedule_epochs,
     small_group_warnings,
 )
-
-#: What the vision commands take as --ckpt, for error messages.
-VISION_CKPT = ("a checkpoint of a vision classifier with class and group names, written by train.py fit "
-               "(e.g. runs/demo/dense/checkpoints/last.ckpt)")
-
-
-def load_trained(ckpt: str | Path, data_overrides: dict[str, Any] | None = None) -> tuple[L.LightningModule, L.LightningDataModule]:
-    """The model and data module a checkpoint was trained with (``data_overrides`` e.g. a new root).
-
-    Everything that makes the checkpoint unusable for the vision commands (no such file, a folder,
-    not a torch checkpoint, a checkpoint of another kind of model such as a causal LM) is a
-    :class:`UserError` raised here, before any Trainer is built."""
-    path = Path(ckpt)
-    if path.is_dir():
-        # A run folder, its checkpoints/ folder or an experiment folder: look a few levels down, not the whole tree.
-        patterns = ("last.ckpt", "checkpoints/last.ckpt", "*/checkpoints/last.ckpt", "*/*/checkpoints/last.ckpt",
-                    "*.ckpt", "checkpoints/*.ckpt", "*/checkpoints/*.ckpt", "*/*/checkpoints/*.ckpt")
-        found = next((hit for pattern in patterns for hit in sorted(path.glob(pattern))), None)
-        hint = f", e.g. '{found}'" if found else ""
-        raise UserError(f"checkpoint '{ckpt}' is a directory; pass the checkpoint file inside it{hint}: {VISION_CKPT}")
-    if not path.is_file():
-        raise UserError(f"checkpoint '{ckpt}' does not exist; train first (python train.py fit ...) and pass its checkpoints/last.ckpt")
-    meta = read_checkpoint(path, "checkpoint", f"pass {VISION_CKPT}")  # as data: a crafted file runs nothing
-    hp, dhp = meta.get("hyper_parameters") or {}, meta.get("datamodule_hyper_parameters")
-    if "_class_path" not in hp or not dhp or "_class_path" not in dhp:
-        raise UserError(f"checkpoint '{ckpt}' does not record its model and data classes; use one written by train.py")
-    if not hp.get("class_names") or "group_names" not in hp:
-        exported = path.parent.parent / "model"  # <run>/checkpoints/x.ckpt → <run>/model, the LM's transformers folder
-        folder = f"'{exported}'" if exported.is_dir() else "<its transformers folder>"
-        raise UserError(f"checkpoint '{ckpt}' is a {hp['_class_path']} checkpoint, without class and group names; the "
-                        f"vision commands (prune.py vision, compare --ckpt) need {VISION_CKPT}. A causal LM is pruned "
-                        f"with prune.py magnitude / wanda / sparsegpt --model {folder}")
-    model = resolve_name(hp["_class_path"]).load_from_checkpoint(path, map_location="cpu", weights_only=True)
-    data = resolve_name(dhp["_class_path"]).load_from_checkpoint(path, weights_only=True, **(data_overrides or {}))
-    return model, data
-
-
-def _checkpoint_file(ckpt: str) -> str | None:
-    """The checkpoint a run reads, which its output must not replace (a folder given as ``--ckpt``
-    is refused later, with the checkpoints it holds named)."""
-    return ckpt if Path(ckpt).is_file() else None
+from fairprune.workflows.trained import VISION_CKPT, checkpoint_file, load_trained, measure_items_again  # noqa: F401 - load_trained is the vision commands' loader, imported from here
 
 
 def _run_folder(output: str, name: str | None, pruning: dict[str, Any], **_: Any) -> Path:
@@ -99,7 +59,7 @@ def _run_folder(output: str, name: str | None, pruning: dict[str, Any], **_: Any
     return Path(output) / (name or method)
 
 
-@locked(_run_folder, reads=lambda ckpt, **_: _checkpoint_file(ckpt))
+@locked(_run_folder, reads=lambda ckpt, **_: checkpoint_file(ckpt))
 def prune_vision(
     ckpt: str,
     pruning: dict[str, Any],
@@ -195,18 +155,6 @@ def _prune(ckpt: str, pruning: dict[str, Any], callback: IterativePruning, outpu
             for warning in report["warnings"]:
                 print(f"[prune] warning: {warning}", flush=True)
     return report, callback
-
-
-def measure_items_again(folder: Path, data: DataOptions | None = None) -> None:
-    """Write a cell's ``test_items.npz`` afresh (compare found it missing or bad): the model of its
-    ``checkpoints/last.ckpt`` (the one its report tested) on the test split, item by item."""
-    import torch
-
-    model, datamodule = load_trained(folder / "checkpoints" / "last.ckpt", data)
-    datamodule.setup("test")
-    if torch.cuda.is_available():
-        model = model.cuda()
-    save_items(folder, item_outcomes(model, datamodule.test_dataloader()))
 
 
 def _check_resume(resume: str, callback: IterativePruning) -> None:
@@ -326,7 +274,7 @@ def _compare_folders(output: str, methods: list[str], sparsities: list[float], s
                                 for sparsity in sparsities or []]]
 
 
-@locked(_compare_folders, reads=lambda ckpt, **_: _checkpoint_file(ckpt))
+@locked(_compare_folders, reads=lambda ckpt, **_: checkpoint_file(ckpt))
 def compare_vision(
     ckpt: str,
     methods: list[str],
