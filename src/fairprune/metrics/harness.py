@@ -133,6 +133,7 @@ def _local(config: dict[str, Any], path: str, split: str) -> dict[str, Any]:
                                                              "validation_split", "test_split", "fewshot_split")}
     config.update(dataset_path=builder, dataset_kwargs={"data_files": {split: str(Path(path).resolve())}})
     config[f"{split}_split"] = split
+    config["fewshot_split"] = split  # --num_fewshot draws its examples from the same file (lm-eval leaves the scored doc out)
     return config
 
 
