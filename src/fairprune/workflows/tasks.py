@@ -37,7 +37,7 @@ from fairprune.metrics.harness import (
     task_paired,
 )
 
-TASK_CACHE_VERSION = 1
+TASK_CACHE_VERSION = 2  # 2: letter tasks record their number of choices
 
 
 def task_specs(lm) -> list[TaskSpec] | None:
