@@ -119,6 +119,7 @@ def load_model(name_or_path: str, task: str = "causal-lm", trust_remote_code: bo
     import transformers
 
     from fairprune.hub.compressed import is_compressed, load_compressed, torch_dtype
+    from fairprune.hub.shards import check_weights, refuse_nonfloat
 
     auto = getattr(transformers, _AUTO[_check_task(task)])
     if task == "sequence-classification":
@@ -126,11 +127,12 @@ def load_model(name_or_path: str, task: str = "causal-lm", trust_remote_code: bo
     source = resolve_name(name_or_path)
     if dtype is not None:
         kwargs["dtype"] = torch_dtype(dtype)
+    stored = check_weights(source) if Path(source).is_dir() else {}  # damaged files refused before loading
     check_fits(source, auto, name_or_path, trust_remote_code, kwargs.get("dtype"))
     try:
         if is_compressed(source):
             return load_compressed(source, auto, trust_remote_code=trust_remote_code, **kwargs)
-        return auto.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
+        model = auto.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
     except pickle.UnpicklingError as err:  # a pytorch_model.bin is read as data: one that holds code is refused
         instead = f"give a folder written by save_pretrained (safetensors weights), a hub name, 'minilm' or '{SMOLLM2}'"
         refused = holds_code(err)
@@ -142,6 +144,32 @@ def load_model(name_or_path: str, task: str = "causal-lm", trust_remote_code: bo
         hint = " (set --trust_remote_code true only if you trust it)" if "trust_remote_code" in str(err) else ""
         raise UserError(f"cannot load model '{name_or_path}'{hint}: give a folder written by save_pretrained, "
                         f"a hub name, 'minilm' or '{SMOLLM2}' ({_short(err)})") from err
+    if stored:
+        refuse_nonfloat(_stored_codes(model, stored), name_or_path)
+    return model
+
+
+def _stored_codes(model: Any, stored: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """The safetensors dtype codes of ``model``'s prunable weights (:mod:`fairprune.families`) as
+    the checkpoint stores them (by their name, or by it without the base-model prefix); a model of
+    no known family has none."""
+    from fairprune.families import family_of
+
+    try:
+        family = family_of(model)
+    except (UserError, ValueError, AttributeError):
+        return {}
+    names = {id(m): n for n, m in model.named_modules()}
+    base = getattr(model, "base_model_prefix", "") or ""
+    codes = {}
+    for block in family.block_list(model):
+        for layer in family.block_linears(block).values():
+            name = f"{names[id(layer)]}.weight"
+            for key in (name, name.removeprefix(f"{base}.")):
+                if key in stored:
+                    codes[key] = stored[key]["dtype"]
+                    break
+    return codes
 
 
 def parameter_count(cfg: Any, auto: Any = None, trust_remote_code: bool = False) -> int:

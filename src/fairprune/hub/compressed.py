@@ -26,11 +26,11 @@ whose weight is stored [in, out], so its input-wise groups run down the stored c
 uses ``sparse-bitmask`` and the facts say why (``note``).
 
 Reading: :func:`load_compressed` (what :func:`fairprune.hub.load_model` calls for such a folder)
-rebuilds the dense tensors and loads the model from them. Plain ``from_pretrained`` rebuilds them
-where compressed-tensors still decompresses sparse checkpoints (transformers 4.51.3 with
-compressed-tensors 0.9.4 loads these folders bit for bit); the transformers 5 and compressed-tensors
-0.20 releases installed here read its quantization formats only, and leave these layers newly
-initialised.
+rebuilds the dense tensors and loads the model from them. The transformers 5 and compressed-tensors
+0.20 releases installed here no longer decompress sparse checkpoints: plain ``from_pretrained`` would
+leave these layers newly initialised with a warning only. So ``config.json`` also gets
+``transformers_weights`` (:data:`REFUSAL`), which plain ``from_pretrained`` refuses with an error
+that says to load the folder with ``fairprune.hub.load_model`` or to save with ``--save_format dense``.
 """
 
 from __future__ import annotations
@@ -54,6 +54,13 @@ SPARSE_24 = "sparse-24-bitmask"
 SPARSE_BITMASK = "sparse-bitmask"
 _PARTS = {SPARSE_24: ("shape", "compressed", "bitmask"), SPARSE_BITMASK: ("shape", "compressed", "bitmask", "row_offsets")}
 _WEIGHT_FILES = ("*.safetensors", "pytorch_model*.bin")
+#: A ``config.json`` entry that plain ``from_pretrained`` (transformers 5) refuses with this value in
+#: its error ("... neither a safetensors file (*.safetensors) nor a safetensors index file
+#: (*.safetensors.index.json): <REFUSAL>"), so that no plain load builds the model with the
+#: compressed layers newly initialised; :func:`load_compressed` drops it.
+REFUSAL_KEY = "transformers_weights"
+REFUSAL = ("fairprune sparse-compressed weights, which plain transformers loads wrongly: load this folder with "
+           "fairprune.hub.load_model(folder), or prune with --save_format dense for a plain transformers folder")
 
 
 def torch_dtype(name: str | None) -> torch.dtype | None:
@@ -215,6 +222,7 @@ def save_compressed(model: nn.Module, folder: str | os.PathLike, nm: tuple[int, 
     config = json.loads(config_path.read_text())
     config["quantization_config"] = {"quant_method": "compressed-tensors", "format": "dense",
                                      "sparsity_config": sparsity, "transform_config": {}, "version": _version()}
+    config[REFUSAL_KEY] = REFUSAL
     from fairprune.storage.atomic import write_text
 
     write_text(config_path, json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -290,7 +298,7 @@ def load_compressed(folder: str | os.PathLike, task_class: Any, dtype: torch.dty
     folder = Path(folder)
     fmt = sparsity_config(folder)["format"]
     config = transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    for key in ("quantization_config", "compression_config"):
+    for key in ("quantization_config", "compression_config", REFUSAL_KEY):
         if hasattr(config, key):
             delattr(config, key)
     state = decompress_state_dict(_read_weights(folder), fmt)

@@ -71,11 +71,108 @@ def local_folder(name_or_path: str, resolved: str | os.PathLike) -> Path:
     return path
 
 
-def _header(path: Path) -> dict[str, Any]:
-    """The JSON header of a safetensors file (names, dtypes, shapes, offsets)."""
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(length))
+#: Bytes per element of the safetensors dtype codes (sub-byte ones, e.g. F4, are not size-checked).
+_CODE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4,
+               "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "C64": 8}
+FLOAT_CODES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+#: A header longer than this is refused unread (real ones take kilobytes to a few megabytes).
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+_FIX = "the file is damaged or cut short: download or copy it again, or re-save the model with save_pretrained"
+
+
+def read_header(path: str | os.PathLike) -> dict[str, Any]:
+    """The checked JSON header of the safetensors file ``path``; a damaged file is a one-line
+    :class:`UserError` naming it and what is wrong. Reads the 8-byte length and the header only."""
+    path = Path(path)
+
+    def bad(what: str) -> UserError:
+        return UserError(f"weight file '{path}' is not a valid safetensors file: {what}; {_FIX}")
+
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise bad(f"it holds {len(head)} bytes, fewer than the 8 of a header length")
+            (length,) = struct.unpack("<Q", head)
+            if length > size - 8 or length > MAX_HEADER_BYTES:
+                raise bad(f"its header claims {length} bytes, but the file holds {size} bytes"
+                          + (f" (headers over {MAX_HEADER_BYTES // 2**20} MB are refused)" if length <= size - 8 else ""))
+            raw = f.read(length)
+    except OSError as err:
+        raise UserError(f"cannot read weight file '{path}': {' '.join(str(err).split())[:160]}") from None
+    try:
+        header = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise bad(f"its header is not JSON ({' '.join(str(err).split())[:80]})") from None
+    if not isinstance(header, dict):
+        raise bad("its header is not a JSON object")
+    data = size - 8 - length
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            code, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            ok = all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (*shape, begin, end))
+        except (TypeError, KeyError, ValueError):
+            ok = False
+        if not ok or not isinstance(code, str):
+            raise bad(f"tensor {name!r} has no valid dtype, shape and data_offsets in the header")
+        if not begin <= end <= data:
+            raise bad(f"tensor {name!r} lies at bytes {begin}..{end} of the data, but the file holds {data} bytes of "
+                      "data after its header")
+        if code in _CODE_BYTES and (end - begin) != _CODE_BYTES[code] * torch.Size(shape).numel():
+            raise bad(f"tensor {name!r} is {code} {list(shape)} ({_CODE_BYTES[code] * torch.Size(shape).numel()} bytes) "
+                      f"but its data_offsets span {end - begin} bytes")
+    return header
+
+
+def check_weights(folder: str | os.PathLike) -> dict[str, dict[str, Any]]:
+    """Check a model folder's safetensors weights before anything is loaded: every file's header
+    against the file (:func:`read_header`), and ``model.safetensors.index.json`` against the files
+    (each entry names a file that exists and holds that tensor). Returns every tensor's header
+    entry by name (``dtype``, ``shape``); ``{}`` for a folder without safetensors weights.
+    A folder with neither ``model.safetensors`` nor an index has each ``*.safetensors`` file checked."""
+    folder = Path(folder)
+    index = folder / INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map is not an object of file names")
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise UserError(f"cannot read {INDEX} of '{folder}': {' '.join(str(err).split())[:160]}; copy the folder "
+                            "again or re-save it with save_pretrained") from None
+        headers = {}
+        for file in sorted(set(weight_map.values())):
+            path = folder / file
+            if Path(file).name != file or not path.is_file():
+                raise UserError(f"'{folder}' lists weight file {file} in {INDEX} but does not hold it; copy the whole "
+                                "folder (or re-save it with save_pretrained)")
+            headers[file] = read_header(path)
+        for name, file in weight_map.items():
+            if name not in headers[file]:
+                holder = next((f for f, h in headers.items() if name in h), None)
+                where = f" (it is in {holder})" if holder else ""
+                raise UserError(f"{INDEX} of '{folder}' says tensor {name} is in {file}, which does not hold it{where}; "
+                                "copy the folder again or re-save it with save_pretrained")
+        return {name: headers[file][name] for name, file in weight_map.items()}
+    files = [folder / SINGLE] if (folder / SINGLE).is_file() else sorted(folder.glob("*.safetensors"))
+    found: dict[str, dict[str, Any]] = {}
+    for path in files:
+        found.update((k, v) for k, v in read_header(path).items() if k != "__metadata__")
+    return found
+
+
+def refuse_nonfloat(codes: Mapping[str, str], source: str) -> None:
+    """Refuse, in one line, a prunable weight that the checkpoint stores as anything but floating
+    point (``codes``: the prunable weights' names → their safetensors dtype codes): an int8 or
+    packed tensor would be cast to float and pruned as if its integers were weights."""
+    for name, code in codes.items():
+        if code not in FLOAT_CODES:
+            raise UserError(f"weight {name} of '{source}' is stored as {code}, not floating point: only float weights "
+                            "can be pruned (a quantized checkpoint cannot); give the model's float16 / bfloat16 / "
+                            "float32 checkpoint")
 
 
 class ShardReader:
@@ -86,25 +183,15 @@ class ShardReader:
     def __init__(self, folder: str | os.PathLike):
         self.folder = Path(folder)
         index, single = self.folder / INDEX, self.folder / SINGLE
-        try:
-            if index.is_file():
-                weight_map = json.loads(index.read_text())["weight_map"]
-                self.files = {name: self.folder / file for name, file in weight_map.items()}
-            elif single.is_file():
-                with safe_open(single, "pt") as f:
-                    self.files = dict.fromkeys(f.keys(), single)
-            else:
-                raise UserError(f"'{self.folder}' holds neither {SINGLE} nor {INDEX}; give a folder written by "
-                                "save_pretrained (safetensors weights)")
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            if isinstance(err, UserError):
-                raise
-            raise UserError(f"cannot read the weights index of '{self.folder}': {' '.join(str(err).split())[:160]}; "
-                            "give a folder written by save_pretrained") from None
-        missing = sorted({str(p.name) for p in self.files.values() if not p.is_file()})
-        if missing:
-            raise UserError(f"'{self.folder}' lists weight file {missing[0]} in {INDEX} but does not hold it; copy the whole folder")
-        self._headers: dict[Path, dict[str, Any]] = {}
+        if not index.is_file() and not single.is_file():
+            raise UserError(f"'{self.folder}' holds neither {SINGLE} nor {INDEX}; give a folder written by "
+                            "save_pretrained (safetensors weights)")
+        self._entries = check_weights(self.folder)  # every header checked against its file and the index
+        if index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: self.folder / file for name, file in weight_map.items()}
+        else:
+            self.files = dict.fromkeys(self._entries, single)
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -112,14 +199,15 @@ class ShardReader:
     def keys(self) -> list[str]:
         return list(self.files)
 
+    def stored_dtype(self, name: str) -> str:
+        """The safetensors dtype code ``name`` is stored as (``F32``, ``I8``, ...)."""
+        return self._entries[name]["dtype"]
+
     def info(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
         """The stored dtype and shape of ``name`` (from the file header; no data read)."""
-        path = self.files[name]
-        if path not in self._headers:
-            self._headers[path] = _header(path)
-        entry = self._headers[path][name]
+        entry = self._entries[name]
         if entry["dtype"] not in _CODE_DTYPES:
-            raise UserError(f"tensor {name} of '{path}' is stored as {entry['dtype']}, which streaming does not read")
+            raise UserError(f"tensor {name} of '{self.files[name]}' is stored as {entry['dtype']}, which streaming does not read")
         return _CODE_DTYPES[entry["dtype"]], tuple(entry["shape"])
 
     def nbytes(self, name: str) -> int:

@@ -50,7 +50,7 @@ from fairprune import distributed
 from fairprune.errors import UserError
 from fairprune.families import _get, family_of, linear_weight
 from fairprune.hub.checks import nonfinite
-from fairprune.hub.shards import ShardReader, ShardWriter
+from fairprune.hub.shards import ShardReader, ShardWriter, refuse_nonfloat
 from fairprune.pruning import registry
 from fairprune.pruning.calibration import PAIR_BATCH, BlockInput, _collect, _hidden, capture_block_inputs, rank_inputs
 from fairprune.pruning.llm import _validate, solve_layer
@@ -129,6 +129,19 @@ class StreamedModel:
             groups.setdefault(id(p), []).append(name)
         self._aliases = {name: names for names in groups.values() for name in names}
         self._keys: dict[str, str] = {}
+        self._check_stored()
+
+    def _check_stored(self) -> None:
+        """Before any work: every parameter is in the checkpoint with the shape the config implies,
+        and the prunable layers' weights are stored as floating point."""
+        for name, param in self.model.named_parameters():
+            shape = self.reader.info(self.key(name))[1]
+            if shape != tuple(param.shape):
+                raise UserError(f"tensor {self.key(name)} of '{self.source}' has shape {list(shape)}, its config.json "
+                                f"says {list(param.shape)}; the weights do not match the config (copy the folder again)")
+        weights = [self.key(self.prefix(layer) + "weight") for block in self.blocks
+                   for layer in self.family.block_linears(block).values()]
+        refuse_nonfloat({key: self.reader.stored_dtype(key) for key in weights}, self.source)
 
     # -- names ------------------------------------------------------------------------------------
     def prefix(self, module: nn.Module) -> str:

@@ -354,9 +354,10 @@ def _compressed_weights(report: Mapping[str, Any]) -> list[str]:
     lines = [f"**Compressed weights.** The prunable layers are stored in compressed-tensors' "
              f"**{_text(weights.get('format') or '')}** layout (nonzeros and a bitmask; config.json's "
              f"`quantization_config.sparsity_config`)" + (f": {size / 1e6:.3g} MB of weights{share}." if size is not None else "."),
-             "`from_pretrained` rebuilds them where compressed-tensors still decompresses sparse checkpoints (e.g. "
-             "transformers 4.51.3 with compressed-tensors 0.9.4); transformers 5.24 with compressed-tensors 0.20 no "
-             "longer does and leaves these layers newly initialised. fairprune loads the folder with either:", "",
+             "Plain transformers (5.x with compressed-tensors 0.20) no longer decompresses sparse checkpoints and "
+             "would leave these layers newly initialised, so `config.json`'s `transformers_weights` entry makes "
+             "`AutoModelForCausalLM.from_pretrained` refuse the folder with an error. Load it with fairprune "
+             "(or prune again with `--save_format dense` for a folder plain transformers loads):", "",
              "```python", "from fairprune.hub import load_model", "",
              "model = load_model(\"path/to/this/folder\")  # the dense weights, bit for bit", "```", ""]
     return lines
