@@ -172,3 +172,83 @@ def test_plain_transformers_refuses_a_compressed_folder_fairprune_reads_it_bit_f
     assert all(torch.equal(t, want[k]) for k, t in loaded.state_dict().items()) and loaded.state_dict().keys() == want.keys()
     loaded.save_pretrained(tmp_path / "again")  # fairprune's model saves as a plain folder transformers loads
     assert torch.equal(tf.AutoModelForCausalLM.from_pretrained(tmp_path / "again").lm_head.weight, model.lm_head.weight)
+
+
+def _with_big_weight(src: Path, dst: Path) -> Path:
+    """``src`` (a float32 GPT-2 folder) with one MLP weight beyond float16's range."""
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(src)
+    with torch.no_grad():
+        model.transformer.h[1].mlp.c_fc.weight[0, 0] = 1e6
+    model.save_pretrained(dst)
+    for file in src.iterdir():
+        if not (dst / file.name).exists():
+            shutil.copy(file, dst / file.name)
+    return dst
+
+
+def test_float16_overflow_names_the_dtype_not_the_model(folders, tmp_path, capsys):
+    from fairprune.hub.checks import check_input_model
+
+    folder = _with_big_weight(folders["lm"], tmp_path / "big")
+    with pytest.raises(UserError, match=r"exceed float16's range.*--dtype bfloat16"):
+        check_input_model(load_model(str(folder), dtype="float16"), str(folder))
+    check_input_model(load_model(str(folder), dtype="bfloat16"), str(folder))  # bfloat16 holds it
+    sm = StreamedModel(folder, torch.float16)
+    with pytest.raises(UserError, match=r"exceed float16's range.*--dtype bfloat16"):
+        with sm.loaded(sm.blocks[1]):
+            pass
+    out = tmp_path / "out"
+    for stream in ("false", "true"):
+        code = prune_main(["magnitude", "--model", str(folder), "--sparsity", "0.5", "--dtype", "float16",
+                           "--stream", stream, "--eval_text", str(folders["eval"]), "--output", str(out), *FAST])
+        assert code == 2 and "--dtype bfloat16" in last_error(capsys) and not out.exists()
+
+
+@pytest.mark.parametrize("epochs", ["-5", "-2"])
+def test_negative_max_epochs_is_one_line(epochs, repo_root, tmp_path, capsys):
+    from fairprune.cli.train import main as train_main
+
+    code = train_main(["fit", "--config", str(repo_root / "configs/vision/demo.yaml"), "--trainer.max_epochs", epochs,
+                       "--trainer.default_root_dir", str(tmp_path / "runs")])
+    assert code == 2 and f"--trainer.max_epochs {epochs}" in last_error(capsys)
+    assert not (tmp_path / "runs").exists()
+
+
+def _with_int8_weight(src: Path, dst: Path, name: str = "transformer.h.0.mlp.c_fc.weight") -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    state = load_file(dst / SINGLE)
+    state[name] = state[name].clamp(-1, 1).mul(100).to(torch.int8)
+    save_file(state, dst / SINGLE, metadata={"format": "pt"})
+    return dst
+
+
+def test_non_float_prunable_weights_are_refused_naming_the_tensor(folders, tmp_path, capsys):
+    from fairprune.pruning.llm import prune_causal_lm
+    from fairprune.pruning.sparsity import Sparsity
+
+    folder = _with_int8_weight(folders["lm"], tmp_path / "int8")
+    needle = r"transformer\.h\.0\.mlp\.c_fc\.weight .*I8, not floating point"
+    with pytest.raises(UserError, match=needle):
+        load_model(str(folder))
+    with pytest.raises(UserError, match=needle):
+        StreamedModel(folder)
+    out = tmp_path / "out"
+    for stream in ("false", "true"):
+        code = prune_main(["magnitude", "--model", str(folder), "--sparsity", "0.5", "--stream", stream,
+                           "--eval_text", str(folders["eval"]), "--output", str(out), *FAST])
+        assert code == 2 and "c_fc.weight" in last_error(capsys) and not out.exists()
+    model = BUILDERS["gpt2"]()  # an integer weight in memory
+    layer = model.transformer.h[1].attn.c_proj
+    layer.weight = torch.nn.Parameter(torch.zeros(layer.weight.shape, dtype=torch.int8), requires_grad=False)
+    with pytest.raises(UserError, match=r"transformer\.h\.1\.attn\.c_proj\.weight is torch\.int8"):
+        prune_causal_lm(model, "magnitude", Sparsity.parse("0.5"), progress=False)
+
+
+def test_non_float_tensors_outside_the_prunable_layers_are_left_alone(folders, tmp_path):
+    folder = _with_int8_weight(folders["lm"], tmp_path / "int8", "transformer.wpe.weight")
+    load_model(str(folder))
+    StreamedModel(folder)

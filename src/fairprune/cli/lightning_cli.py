@@ -104,6 +104,10 @@ class FairpruneCLI(LightningCLI):
             cfg["weights_only"] = True
         if cfg.get("ckpt_path"):
             check_ckpt_path(str(cfg["ckpt_path"]))
+        trainer = cfg.get("trainer")
+        max_epochs = trainer.get("max_epochs") if trainer is not None else None
+        if isinstance(max_epochs, int) and max_epochs < -1:
+            raise UserError(f"--trainer.max_epochs {max_epochs}: give a number of epochs >= 0, or -1 for no limit")
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         # Always present, whatever callbacks a config lists: every run writes its report.

@@ -48,10 +48,46 @@ def nonfinite_tensor(module: nn.Module) -> str | None:
     return None if found is None else found[0]
 
 
+FLOAT16_MAX = 65504.0
+
+
+def float16_overflow(name: str, source: str) -> UserError:
+    """The error for a weight that became inf when cast to float16 (its stored values are finite)."""
+    return UserError(f"the weights of '{source}' exceed float16's range (±{FLOAT16_MAX:.0f}): {name} becomes inf when "
+                     "loaded with --dtype float16; use --dtype bfloat16 (float32's range) or float32; nothing was "
+                     "pruned, measured or written")
+
+
+def _stored_code(model: nn.Module, name: str, source: str) -> str | None:
+    """The safetensors dtype code tensor ``name`` of ``model`` has in the local folder ``source``
+    (None: not a local safetensors folder, or not found)."""
+    from pathlib import Path
+
+    from fairprune.hub.shards import check_weights
+
+    if not Path(source).is_dir():
+        return None
+    try:
+        stored = check_weights(source)
+    except UserError:
+        return None
+    base = getattr(model, "base_model_prefix", "") or ""
+    for key in (name, name.removeprefix(f"{base}.")):
+        if key in stored:
+            return stored[key]["dtype"]
+    return None
+
+
 def check_input_model(model: nn.Module, source: str) -> None:
-    """Refuse a loaded model whose weights are not finite, before any work is done with it."""
+    """Refuse a loaded model whose weights are not finite, before any work is done with it. An inf
+    in a float16 model whose checkpoint stores that tensor wider (or where that is not known) is
+    the float16 cast overflowing: the message says so and names ``--dtype``."""
     found = nonfinite(model)
     if found is not None:
+        tensor = dict(_tensors(model)).get(found[0])
+        if found[1] == "inf" and tensor is not None and tensor.dtype == torch.float16 \
+                and _stored_code(model, found[0], source) not in ("F16",):
+            raise float16_overflow(found[0], source)
         raise UserError(f"the input model '{source}' is broken: parameter {found[0]} holds {found[1]}; nothing was "
                         "pruned, measured or written (give a model whose weights are finite, e.g. re-export it from a "
                         "run that did not diverge)")

@@ -231,12 +231,18 @@ class ShardReader:
         size = self.nbytes(name)
         if len(shape) == 0 or size <= self.CHUNK_BYTES:
             with safe_open(path, "pt") as f:
-                return f.get_tensor(name).to(device=device, dtype=dtype, copy=True)
-        out = torch.empty(shape, dtype=dtype, device=device)
-        step = max(1, self.CHUNK_BYTES // max(1, size // shape[0]))
-        for start in range(0, shape[0], step):
-            with safe_open(path, "pt") as f:
-                out[start : start + step].copy_(f.get_slice(name)[start : start + step])
+                out = f.get_tensor(name).to(device=device, dtype=dtype, copy=True)
+        else:
+            out = torch.empty(shape, dtype=dtype, device=device)
+            step = max(1, self.CHUNK_BYTES // max(1, size // shape[0]))
+            for start in range(0, shape[0], step):
+                with safe_open(path, "pt") as f:
+                    out[start : start + step].copy_(f.get_slice(name)[start : start + step])
+        if dtype == torch.float16 and stored.is_floating_point and stored != torch.float16 and bool(torch.isinf(out).any()):
+            if bool(torch.isfinite(self.read(name)).all()):  # finite as stored: the cast overflowed
+                from fairprune.hub.checks import float16_overflow
+
+                raise float16_overflow(name, str(self.folder))
         return out
 
 

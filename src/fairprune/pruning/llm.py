@@ -243,6 +243,7 @@ def _validate(model, family, entry: Method, sparsity: Sparsity, calib_ids, pairs
         raise TypeError(f"sparsity must be a Sparsity (Sparsity.parse({sparsity!r})), got {type(sparsity).__name__}")
     if sparsity.nm is not None:
         _check_nm_widths(model, family, sparsity.nm)
+    _check_float_weights(model, family)
     method = entry.name
     if pairs is not None and not entry.paired:
         raise UserError(f"paired data is used only by the paired methods (debias-sparsegpt), not {method}; drop the pairs or switch method")
@@ -258,6 +259,18 @@ def _validate(model, family, entry: Method, sparsity: Sparsity, calib_ids, pairs
             f"pair sides must align token-wise, got shapes {tuple(pairs[0].shape)} and {tuple(pairs[1].shape)}; "
             "pad or truncate both sides to the same length (fairprune.data.text.paired_ids does)"
         )
+
+
+def _check_float_weights(model, family) -> None:
+    """Only float weights are pruned: an integer (quantized) weight would be pruned as if its
+    integers were values."""
+    names = {id(m): n for n, m in model.named_modules()}
+    for block in family.block_list(model):
+        for layer in family.block_linears(block).values():
+            if not layer.weight.is_floating_point():
+                raise UserError(f"weight {names[id(layer)]}.weight is {layer.weight.dtype}, not floating point: only "
+                                "float weights can be pruned (a quantized model cannot); give the model in float16, "
+                                "bfloat16 or float32")
 
 
 def _check_ids(ids: torch.Tensor, vocab: int) -> None:
