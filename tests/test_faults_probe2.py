@@ -252,3 +252,67 @@ def test_non_float_tensors_outside_the_prunable_layers_are_left_alone(folders, t
     folder = _with_int8_weight(folders["lm"], tmp_path / "int8", "transformer.wpe.weight")
     load_model(str(folder))
     StreamedModel(folder)
+
+
+def _plugin(tmp_path, monkeypatch, name: str, body: str) -> None:
+    from fairprune.pruning import registry
+
+    (tmp_path / "plugins").mkdir(exist_ok=True)
+    (tmp_path / "plugins" / f"{name}.py").write_text(body)
+    monkeypatch.syspath_prepend(str(tmp_path / "plugins"))
+    monkeypatch.setenv("FAIRPRUNE_PLUGINS", name)
+    monkeypatch.setattr(registry, "_plugins_loaded", False)
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))  # what the plugin registers goes with the test
+
+
+@pytest.mark.parametrize("body, needle", [
+    ("raise RuntimeError('the plugin is broken')\n", "failed to import: RuntimeError: the plugin is broken"),
+    ("import no_such_dependency_xyz\n", "failed to import: ModuleNotFoundError: No module named 'no_such_dependency_xyz'"),
+    ("1 +\n", "failed to import: SyntaxError"),
+])
+def test_a_plugin_that_fails_to_import_is_one_line_naming_it(body, needle, tmp_path, monkeypatch, capsys):
+    _plugin(tmp_path, monkeypatch, "broken_plugin_xyz", body)
+    assert prune_main(["magnitude", "--help"]) == 2
+    line = last_error(capsys)
+    assert "plugin module 'broken_plugin_xyz'" in line and needle in line
+
+
+LM_PLUGIN = '''
+from fairprune.pruning import registry
+from fairprune.pruning.registry import Method
+
+registry.register(Method({name!r}, {kind!r}, "a toy", selection="fairprune.pruning.llm:magnitude_solve",
+                         importance="fairprune.pruning.steps:magnitude", uses_data=False))
+'''
+
+
+@pytest.mark.parametrize("name, kind, needle", [
+    ("vision", "lm", "lm method 'vision' clashes with the prune.py subcommand 'vision'"),
+    ("compare", "lm", "lm method 'compare' clashes with the prune.py subcommand 'compare'"),
+    ("fairgrape", "lm", "lm method 'fairgrape' clashes with the built-in vision method 'fairgrape'"),
+    ("wanda", "vision", "vision method 'wanda' clashes with the built-in lm method 'wanda'"),
+])
+def test_a_plugin_method_may_not_take_a_subcommand_or_another_kinds_builtin_name(name, kind, needle, tmp_path,
+                                                                                 monkeypatch, capsys):
+    from fairprune.pruning import registry
+    from fairprune.pruning.registry import Method
+
+    with pytest.raises(UserError, match=needle):
+        registry.register(Method(name, kind, "a toy", selection="fairprune.pruning.llm:magnitude_solve",
+                                 importance="fairprune.pruning.steps:magnitude", uses_data=False))
+    assert registry.REGISTRY.get((kind, name)) is None or (kind, name) in {m.key for m in registry._BUILTIN}
+    _plugin(tmp_path, monkeypatch, "clashing_plugin_xyz", LM_PLUGIN.format(name=name, kind=kind))
+    assert prune_main([name if kind == "lm" else "vision", "--help"]) == 2
+    line = last_error(capsys)
+    assert "plugin module 'clashing_plugin_xyz'" in line and needle in line
+
+
+def test_builtin_methods_may_still_be_redefined_and_new_names_registered(monkeypatch):
+    from fairprune.pruning import registry
+
+    monkeypatch.setattr(registry, "REGISTRY", dict(registry.REGISTRY))
+    builtin = registry.get("magnitude", "lm")
+    registry.register(builtin, replace=True)  # magnitude exists in other kinds too: a redefinition is no clash
+    registry.register(registry.Method("toy-new", "lm", "a toy", selection="fairprune.pruning.llm:magnitude_solve",
+                                      uses_data=False))
+    assert "toy-new" in registry.names("lm")

@@ -43,6 +43,9 @@ def commands() -> dict[str, Command]:
     table = {"vision": Command("Prune a trained vision checkpoint: " + ", ".join(registry.names("vision")) + ".",
                                  "fairprune.workflows.vision:prune_vision")}
     for method in registry.names("lm"):
+        if method in registry.SUBCOMMANDS:  # register() refuses these; a method put in the table by hand too
+            raise UserError(f"lm method {method!r} clashes with the prune.py subcommand {method!r}; give the method "
+                            "another name")
         table[method] = Command(f"Post-training {method} pruning of a causal LM (unstructured or N:M); "
                                    "writes a transformers folder and its report.", "fairprune.workflows.lm:prune_lm",
                                    {"method": method})
@@ -58,6 +61,8 @@ def commands() -> dict[str, Command]:
     table["compare"] = Command("Compare methods x sparsities on a vision checkpoint (--ckpt) or a causal LM "
                                   "(--model; --alphas for head pruning); one table.", "fairprune.cli.prune:compare",
                                   hide=("alpha",))
+    missing = set(registry.SUBCOMMANDS) ^ (set(table) - set(registry.names("lm")))
+    assert not missing, f"registry.SUBCOMMANDS is out of date: {sorted(missing)}"
     return table
 
 

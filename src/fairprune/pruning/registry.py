@@ -165,6 +165,9 @@ _BUILTIN = (
 )
 
 REGISTRY: dict[tuple[str, str], Method] = {m.key: m for m in _BUILTIN}
+#: prune.py's own subcommands (:func:`fairprune.cli.prune.commands`); every ``lm`` method is a
+#: subcommand of its own too, so an ``lm`` method may not take one of these names.
+SUBCOMMANDS = ("vision", "fasp", "diff-compare", "evaluate", "export", "compare")
 _plugins_loaded = False
 
 
@@ -185,6 +188,13 @@ def register(method: Method, *, replace: bool = False) -> Method:
     missing = [n for n in needs if getattr(method, n) is None]
     if missing:
         raise UserError(f"{method.kind} method {method.name!r} needs {' and '.join(missing)}")
+    if method.kind == "lm" and method.name in SUBCOMMANDS:
+        raise UserError(f"lm method {method.name!r} clashes with the prune.py subcommand {method.name!r} (every lm "
+                        "method is a prune.py subcommand of its own); give the method another name")
+    others = [m.kind for m in _BUILTIN if m.name == method.name and m.kind != method.kind]
+    if others and method.key not in {m.key for m in _BUILTIN}:
+        raise UserError(f"{method.kind} method {method.name!r} clashes with the built-in {others[0]} method "
+                        f"{method.name!r}; give the method another name")
     if method.key in REGISTRY and not replace:
         raise UserError(f"a {method.kind} method named {method.name!r} exists already; pass replace=True to redefine it")
     REGISTRY[method.key] = method
@@ -237,8 +247,29 @@ def _load_plugins() -> None:
     for module in filter(None, (m.strip() for m in os.environ.get("FAIRPRUNE_PLUGINS", "").split(","))):
         try:
             import_module(module)
-        except ImportError as err:
-            raise UserError(f"FAIRPRUNE_PLUGINS names {module!r}, which does not import ({err}); "
-                            "put it on PYTHONPATH or fix the name") from None
+        except UserError as err:  # e.g. a method name that clashes (register)
+            raise UserError(f"plugin module {module!r} (FAIRPRUNE_PLUGINS): {_one_line(err)}") from None
+        except ModuleNotFoundError as err:
+            if err.name is not None and (module == err.name or module.startswith(err.name + ".")):  # the plugin itself is not found
+                raise UserError(f"FAIRPRUNE_PLUGINS names {module!r}, which does not import ({err}); "
+                                "put it on PYTHONPATH or fix the name") from None
+            raise _plugin_failed(module, "FAIRPRUNE_PLUGINS", err) from None
+        except Exception as err:  # noqa: BLE001 - the plugin's own bug: one line naming it
+            raise _plugin_failed(module, "FAIRPRUNE_PLUGINS", err) from None
     for point in entry_points(group="fairprune.methods"):
-        point.load()
+        try:
+            point.load()
+        except UserError as err:
+            raise UserError(f"plugin {point.value!r} (entry point fairprune.methods {point.name!r}): "
+                            f"{_one_line(err)}") from None
+        except Exception as err:  # noqa: BLE001
+            raise _plugin_failed(point.value, f"entry point fairprune.methods {point.name!r}", err) from None
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
+
+
+def _plugin_failed(module: str, where: str, err: BaseException) -> UserError:
+    return UserError(f"plugin module {module!r} ({where}) failed to import: {type(err).__name__}: "
+                     f"{_one_line(err)[:300]}; fix the plugin, or leave it out ({'drop it from FAIRPRUNE_PLUGINS' if where == 'FAIRPRUNE_PLUGINS' else 'uninstall its package'})")
