@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from fairprune.errors import UserError
+from fairprune.hub.shards import check_weights, float16_overflow
 
 
 def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -48,22 +49,10 @@ def nonfinite_tensor(module: nn.Module) -> str | None:
     return None if found is None else found[0]
 
 
-FLOAT16_MAX = 65504.0
-
-
-def float16_overflow(name: str, source: str) -> UserError:
-    """The error for a weight that became inf when cast to float16 (its stored values are finite)."""
-    return UserError(f"the weights of '{source}' exceed float16's range (±{FLOAT16_MAX:.0f}): {name} becomes inf when "
-                     "loaded with --dtype float16; use --dtype bfloat16 (float32's range) or float32; nothing was "
-                     "pruned, measured or written")
-
-
 def _stored_code(model: nn.Module, name: str, source: str) -> str | None:
     """The safetensors dtype code tensor ``name`` of ``model`` has in the local folder ``source``
     (None: not a local safetensors folder, or not found)."""
     from pathlib import Path
-
-    from fairprune.hub.shards import check_weights
 
     if not Path(source).is_dir():
         return None

@@ -164,6 +164,16 @@ def check_weights(folder: str | os.PathLike) -> dict[str, dict[str, Any]]:
     return found
 
 
+FLOAT16_MAX = 65504.0
+
+
+def float16_overflow(name: str, source: str) -> UserError:
+    """The error for a weight that became inf when cast to float16 (its stored values are finite)."""
+    return UserError(f"the weights of '{source}' exceed float16's range (±{FLOAT16_MAX:.0f}): {name} becomes inf when "
+                     "loaded with --dtype float16; use --dtype bfloat16 (float32's range) or float32; nothing was "
+                     "pruned, measured or written")
+
+
 def refuse_nonfloat(codes: Mapping[str, str], source: str) -> None:
     """Refuse, in one line, a prunable weight that the checkpoint stores as anything but floating
     point (``codes``: the prunable weights' names → their safetensors dtype codes): an int8 or
@@ -240,8 +250,6 @@ class ShardReader:
                     out[start : start + step].copy_(f.get_slice(name)[start : start + step])
         if dtype == torch.float16 and stored.is_floating_point and stored != torch.float16 and bool(torch.isinf(out).any()):
             if bool(torch.isfinite(self.read(name)).all()):  # finite as stored: the cast overflowed
-                from fairprune.hub.checks import float16_overflow
-
                 raise float16_overflow(name, str(self.folder))
         return out
 
