@@ -136,3 +136,21 @@ def test_fasp_scores_the_tasks_before_and_after_removing_heads(tiny_lm, tmp_path
     assert report["paired"]["mmlu/acc"]["difference"] == pytest.approx(
         report["metrics"]["mmlu/acc"] - report["reference"]["metrics"]["mmlu/acc"])
     assert (tmp_path / "fasp" / "task_items.json").is_file()
+
+
+def test_task_data_points_every_task_of_a_format_at_a_users_file(tiny_lm, tmp_path, monkeypatch):
+    """``--task_data bbq=FILE`` (a file in BBQ's public layout) serves bbq_ambig and bbq_ambig_letter;
+    ``--task_data mmlu=FILE`` the MMLU task; the report names the files read."""
+    from fairprune.data.yardsticks import bbq_items, mmlu_items
+
+    monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path / "cache"))
+    bbq, mmlu = tmp_path / "Age.jsonl", tmp_path / "mmlu.jsonl"
+    bbq.write_text("".join(json.dumps(row) + "\n" for row in bbq_items(8, seed=5)))
+    mmlu.write_text("".join(json.dumps(row) + "\n" for row in mmlu_items(4, seed=5)))
+    assert prune_main(["evaluate", *_common(tiny_lm), "--tasks", "[bbq_ambig, bbq_ambig_letter, mmlu]",
+                       "--task_data", f"[bbq={bbq}, mmlu={mmlu}]", "--output", str(tmp_path / "eval")]) == 0
+    facts = json.loads((tmp_path / "eval" / "report.json").read_text())["tasks"]["facts"]
+    ambiguous = sum(row["context_condition"] == "ambig" for row in bbq_items(8, seed=5))
+    assert facts["bbq_ambig"]["data"] == str(bbq) and facts["bbq_ambig"]["samples"] == ambiguous
+    assert facts["bbq_ambig_letter"]["samples"] == ambiguous
+    assert facts["mmlu"]["data"] == str(mmlu) and facts["mmlu"]["samples"] == len(mmlu_items(4, seed=5))
