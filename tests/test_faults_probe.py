@@ -257,14 +257,13 @@ def test_a_pruned_network_slower_than_dense_is_one_warning_line():
     assert line is not None and "\n" not in line
     assert "2.5x slower" in line and "ONNX Runtime at batch 32" in line and "--pruning.channel_multiple 8 or 16" in line
     assert "(this run: 1)" in line
-    weight = slower_than_dense(_deploy(1.5, 1.0), "weight")
-    assert "1.5x slower" in weight and "--pruning.granularity channel" in weight
+    assert slower_than_dense(_deploy(1.5, 1.0), "weight") is None  # the same shapes: a gap is timing noise
     for deploy in (_deploy(0.6, 1.0), _deploy(1.02, 1.0), {"error": "no image_size"}, None, {"pruned": {}, "dense": {}}):
         assert slower_than_dense(deploy, "channel", 8) is None
     only_torch = {k: v for k, v in _deploy(3.0, 1.0).items()}
     for name in ("pruned", "dense"):
         only_torch[name] = {"ms_per_image": {"torch": {"1": 3.0 if name == "pruned" else 1.0}}}
-    assert "3x slower than the dense one in PyTorch at batch 1" in slower_than_dense(only_torch)
+    assert "3x slower than the dense one in PyTorch at batch 1" in slower_than_dense(only_torch, "channel")
 
 
 def test_a_vision_run_whose_deploy_figures_are_slower_prints_the_warning(dense_ckpt, tmp_path, capsys, monkeypatch):
