@@ -60,14 +60,15 @@ def per_pair_statistic():
     return PerPairHessian
 
 
-def prune_per_pair(model, sparsity, calib, pairs) -> float:
-    """``prune_causal_lm(model, "debias-sparsegpt", ...)`` as it was: the solver seconds."""
+def prune_layerwise(model, method: str, sparsity, inputs, stat_type) -> float:
+    """``method``'s layer-sequential prune of ``model`` on ``inputs`` with ``stat_type`` as each
+    layer's statistic (the library's loop and solver): the solver seconds."""
     from fairprune.families import family_of, linear_weight
     from fairprune.pruning import registry
-    from fairprune.pruning.calibration import make_inputs, run_layerwise
+    from fairprune.pruning.calibration import run_layerwise
     from fairprune.pruning.llm import solve_layer
 
-    entry, stat_type, solve = registry.get("debias-sparsegpt", "lm"), per_pair_statistic(), [0.0]
+    entry, solve = registry.get(method, "lm"), [0.0]
     settings = {"blocksize": 128, "percdamp": 0.01}
 
     def prune(name, layer, stat):
@@ -75,35 +76,28 @@ def prune_per_pair(model, sparsity, calib, pairs) -> float:
         solve_layer(entry, layer, stat, sparsity, settings)
         solve[0] += time.perf_counter() - tick
 
-    inputs = [*make_inputs(calib, None, 1), *per_pair_inputs(pairs)]
     run_layerwise(model, family_of(model), inputs, "cpu", lambda name, layer: stat_type(linear_weight(layer).shape[1]),
                   prune, progress=False)
     return solve[0]
 
 
+def prune_per_pair(model, sparsity, calib, pairs) -> float:
+    """``prune_causal_lm(model, "debias-sparsegpt", ...)`` as it was: the solver seconds."""
+    from fairprune.pruning.calibration import make_inputs
+
+    inputs = [*make_inputs(calib, None, 1), *per_pair_inputs(pairs)]
+    return prune_layerwise(model, "debias-sparsegpt", sparsity, inputs, per_pair_statistic())
+
+
 def prune_same_tokens(model, sparsity, calib, pairs, pair_batch: int) -> float:
     """SparseGPT calibrated on the tokens Debias-SparseGPT reads: the windows and both sides of
     every pair as plain sequences (batched and masked as the pairs are). The solver seconds."""
-    from fairprune.families import family_of, linear_weight
-    from fairprune.pruning import registry
-    from fairprune.pruning.calibration import CalibInput, make_inputs, run_layerwise
-    from fairprune.pruning.llm import solve_layer
+    from fairprune.pruning.calibration import CalibInput, make_inputs
     from fairprune.pruning.sparsegpt import Hessian
-
-    entry, solve = registry.get("sparsegpt", "lm"), [0.0]
-    settings = {"blocksize": 128, "percdamp": 0.01}
-
-    def prune(name, layer, stat):
-        tick = time.perf_counter()
-        solve_layer(entry, layer, stat, sparsity, settings)
-        solve[0] += time.perf_counter() - tick
 
     sides = [CalibInput(b.ids, False, None if b.mask is None else torch.cat([b.mask, b.mask]), b.attention)
              for b in make_inputs(None, pairs, 1, pair_batch)]
-    inputs = [*make_inputs(calib, None, 1), *sides]
-    run_layerwise(model, family_of(model), inputs, "cpu", lambda name, layer: Hessian(linear_weight(layer).shape[1]),
-                  prune, progress=False)
-    return solve[0]
+    return prune_layerwise(model, "sparsegpt", sparsity, [*make_inputs(calib, None, 1), *sides], Hessian)
 
 
 @torch.no_grad()

@@ -105,10 +105,10 @@ def cache_key(model: nn.Module, tokenizer, eval_ids: torch.Tensor, eval_pairs: l
     }
 
 
-def cache_path(key: dict[str, Any]):
-    """The cache file of ``key``."""
+def cache_path(key: dict[str, Any], kind: str = "dense"):
+    """The cache file of ``key`` (``kind``: the cache's folder, ``dense`` or ``tasks``)."""
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
-    return cache_dir() / "dense" / f"{name}.json"
+    return cache_dir() / kind / f"{name}.json"
 
 
 def _read(key: dict[str, Any]) -> tuple[dict[str, float], LMItems] | None:

@@ -12,7 +12,6 @@ other ranks wait for it at the next barrier and write nothing, as always.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import sys
 import tempfile
@@ -36,6 +35,7 @@ from fairprune.metrics.harness import (
     task_intervals,
     task_paired,
 )
+from fairprune.storage.digest import file_sha256
 
 TASK_CACHE_VERSION = 2  # 2: letter tasks record their number of choices
 
@@ -49,20 +49,10 @@ def task_specs(lm) -> list[TaskSpec] | None:
     return resolve_tasks(list(lm.tasks), data)
 
 
-def _file_digest(path: str | None) -> str | None:
-    if path is None:
-        return None
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _cache_path(key: dict[str, Any]) -> Path:
-    from fairprune.hub import cache_dir
+    from fairprune.workflows.dense import cache_path
 
-    return cache_dir() / "tasks" / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]}.json"
+    return cache_path(key, "tasks")
 
 
 def _key(model, specs: list[TaskSpec], lm, device, digest: str | None = None) -> dict[str, Any]:
@@ -72,7 +62,7 @@ def _key(model, specs: list[TaskSpec], lm, device, digest: str | None = None) ->
     from fairprune.workflows.dense import weights_digest
 
     return {"version": TASK_CACHE_VERSION, "fairprune": fairprune.__version__, "lm_eval": _lm_eval_version(),
-            "model": digest or weights_digest(model), "tasks": [[s.name, s.scoring, _file_digest(s.data)] for s in specs],
+            "model": digest or weights_digest(model), "tasks": [[s.name, s.scoring, s.data and file_sha256(s.data)] for s in specs],
             "limit": lm.limit, "num_fewshot": lm.num_fewshot, "seed": lm.seed, "device": torch.device(device).type,
             "dtype": str(getattr(torch, lm.dtype))}
 
