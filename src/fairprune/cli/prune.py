@@ -24,6 +24,7 @@ from importlib import import_module
 from typing import Any, NamedTuple
 
 from fairprune.cli.guard import guarded
+from fairprune.cli.quiet import quiet_library_warnings
 from fairprune.errors import UserError, suggest
 from fairprune.pruning import registry
 from fairprune.pruning.options import HeadOptions, SolverOptions
@@ -266,4 +267,5 @@ def _bare_flags(argv: list[str], flags: tuple[str, ...] = ("--quiet",)) -> list[
 
 
 def main(args: list[str] | None = None) -> int:
+    quiet_library_warnings()
     return guarded(lambda: dispatch(args))

@@ -23,6 +23,9 @@ def main(args: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         top_level_parser().print_help()
         return 0 if argv else 2
+    from fairprune.cli.quiet import quiet_library_warnings
+
+    quiet_library_warnings()  # before Lightning is imported: some libraries warn while importing
     from fairprune.cli.lightning_cli import dispatch
 
     return dispatch(args)
