@@ -63,7 +63,7 @@ def per_pair_statistic():
 def prune_layerwise(model, method: str, sparsity, inputs, stat_type) -> float:
     """``method``'s layer-sequential prune of ``model`` on ``inputs`` with ``stat_type`` as each
     layer's statistic (the library's loop and solver): the solver seconds."""
-    from fairprune.families import family_of, linear_weight
+    from fairprune.families import linear_weight
     from fairprune.pruning import registry
     from fairprune.pruning.calibration import run_layerwise
     from fairprune.pruning.llm import solve_layer
@@ -76,7 +76,7 @@ def prune_layerwise(model, method: str, sparsity, inputs, stat_type) -> float:
         solve_layer(entry, layer, stat, sparsity, settings)
         solve[0] += time.perf_counter() - tick
 
-    run_layerwise(model, family_of(model), inputs, "cpu", lambda name, layer: stat_type(linear_weight(layer).shape[1]),
+    run_layerwise(model, inputs, "cpu", lambda name, layer: stat_type(linear_weight(layer).shape[1]),
                   prune, progress=False)
     return solve[0]
 
@@ -115,7 +115,7 @@ def block0_hessian_gap(model, calib, pairs, pair_batch: int) -> dict:
         ("batched", make_inputs(calib, pairs, 1, pair_batch), PairedHessian),
         ("per pair", [*make_inputs(calib, None, 1), *per_pair_inputs(pairs)], per_pair_statistic()),
     ]:
-        batches = capture_block_inputs(model, family, inputs, "cpu")
+        batches = capture_block_inputs(model, inputs, "cpu")
         stats = {name: stat_type(linear_weight(layer).shape[1]) for name, layer in layers.items()}
         _collect(block, layers, stats, batches)
         values[label] = {name: stats[name].value().double() for name in layers}

@@ -66,7 +66,7 @@ def main() -> None:
     family = family_of(model)
     ids = torch.randint(0, config.vocab_size, (args.nsamples, args.seqlen))
     with torch.no_grad():
-        batches = capture_block_inputs(model, family, make_inputs(ids, batch_size=1), "cpu")
+        batches = capture_block_inputs(model, make_inputs(ids, batch_size=1), "cpu")
     block = family.block_list(model)[0]
     layers = family.block_linears(block)
     result = {"settings": {**vars(args), "torch": torch.__version__, "python": platform.python_version(),

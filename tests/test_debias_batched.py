@@ -89,7 +89,7 @@ def batched_hessians(model, pairs, calib, pair_batch_size: int) -> dict[str, tor
     """The library's Hessians of the dense model (nothing pruned), per ``"<block>.<path>"``."""
     got = {}
     inputs = make_inputs(calib, pairs, batch_size=2, pair_batch_size=pair_batch_size)
-    run_layerwise(model, family_of(model), inputs, "cpu", lambda name, layer: PairedHessian(linear_weight(layer).shape[1]),
+    run_layerwise(model, inputs, "cpu", lambda name, layer: PairedHessian(linear_weight(layer).shape[1]),
                   lambda name, layer, stat: got.__setitem__(name, stat.value()), progress=False)
     return got
 

@@ -146,10 +146,12 @@ def no_work(monkeypatch):
     """Loading a model or a checkpoint fails the test: the output check must come first."""
     import fairprune.workflows.heads as heads
     import fairprune.workflows.lm as lm
+    import fairprune.workflows.opened as opened
     import fairprune.workflows.vision as vision
 
-    for module in (lm, heads):
+    for module in (opened, heads):
         monkeypatch.setattr(module, "load_model", explode("loading the model"))
+    for module in (lm, heads):
         monkeypatch.setattr(module, "load_tokenizer", explode("loading the tokenizer"))
     monkeypatch.setattr(vision, "load_trained", explode("loading the checkpoint"))
 
@@ -224,16 +226,17 @@ def tiny_lm(monkeypatch):
     folder; measuring it fails the test (a bad request must be refused before)."""
     import torch
 
-    import fairprune.pruning.llm as llm
+    import fairprune.metrics.language as language
     import fairprune.workflows.lm as lm
+    import fairprune.workflows.opened as opened
 
     def model(*args, **kwargs):
         torch.manual_seed(0)
         return BUILDERS["gpt2"]()
 
-    monkeypatch.setattr(lm, "load_model", model)
+    monkeypatch.setattr(opened, "load_model", model)
     monkeypatch.setattr(lm, "load_tokenizer", lambda *a, **k: object())
-    monkeypatch.setattr(llm, "measure_lm_items", explode("measuring the dense model"))
+    monkeypatch.setattr(language, "measure_lm_items", explode("measuring the dense model"))
 
 
 @pytest.mark.parametrize("command", [
@@ -288,12 +291,12 @@ def test_cuda_without_a_gpu_is_one_line(command, tmp_path, capsys, monkeypatch):
     import torch
 
     import fairprune.workflows.heads as heads
-    import fairprune.workflows.lm as lm
+    import fairprune.workflows.opened as opened
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without a GPU
     folder = tmp_path / "model"
     BUILDERS["gpt2"]().save_pretrained(folder)
-    for workflow in (heads, lm):  # refused before the model is read
+    for workflow in (heads, opened):  # refused before the model is read
         monkeypatch.setattr(workflow, "load_model", explode("loading the model"))
     err = one_line_error(capsys, prune_main([*command, "--model", str(folder), "--output", str(tmp_path / "o"),
                                              "--device", "cuda"]))

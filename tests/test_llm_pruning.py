@@ -293,7 +293,6 @@ class Recorder:
 def test_calibration_feeds_next_block_the_pruned_outputs():
     model = build("gpt2")
     dense = copy.deepcopy(model)
-    family = family_of(model)
     ids = calib(3, 12)
     seen = {}
 
@@ -304,7 +303,7 @@ def test_calibration_feeds_next_block_the_pruned_outputs():
     def prune(name, layer, stat):  # zero the first half of every input column
         linear_weight(layer)[:, : linear_weight(layer).shape[1] // 2] = 0
 
-    run_layerwise(model, family, make_inputs(ids, batch_size=2), "cpu", make_stat, prune, progress=False)
+    run_layerwise(model, make_inputs(ids, batch_size=2), "cpu", make_stat, prune, progress=False)
     assert [x.shape[0] for x in seen["0.attn.c_attn"].xs] == [2, 1]
 
     def block_io(m):
@@ -351,7 +350,7 @@ def test_layers_reading_one_input_share_one_statistic(model_type):
     family = family_of(model)
     g = torch.Generator().manual_seed(2)
     pairs = (torch.randint(0, VOCAB, (3, 10), generator=g), torch.randint(0, VOCAB, (3, 10), generator=g))
-    batches = capture_block_inputs(model, family, make_inputs(calib(5, 12), pairs, batch_size=2), "cpu")
+    batches = capture_block_inputs(model, make_inputs(calib(5, 12), pairs, batch_size=2), "cpu")
     block = family.block_list(model)[0]
     layers = family.block_linears(block)
     for make in (Hessian, PairedHessian, InputNorms):

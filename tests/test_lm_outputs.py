@@ -92,7 +92,7 @@ def _spy_on_work(monkeypatch) -> list[str]:
     import fairprune.workflows.lm as lm_workflow
 
     calls: list[str] = []
-    for module, name in ((lm_workflow, "_dense"), (fasp_package, "run_fasp")):
+    for module, name in ((lm_workflow, "dense_of"), (fasp_package, "run_fasp")):
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     return calls

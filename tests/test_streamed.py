@@ -24,8 +24,7 @@ from fairprune.metrics.language import measure_lm_items, perplexity_of, window_l
 from fairprune.metrics.streamed import measure_streamed, streamed_window_losses
 from fairprune.pruning.llm import prune_causal_lm
 from fairprune.pruning.sparsity import Sparsity
-from fairprune.pruning.streamed import StreamedModel, prune_streamed
-from fairprune.workflows.streamed import write_model_files
+from fairprune.pruning.streamed import StreamedModel
 from tiny_models import BUILDERS, VOCAB, tiny_gpt2_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -113,11 +112,11 @@ def test_streamed_pruning_equals_in_memory(folders, model_type, method, tmp_path
     sm = StreamedModel(folders[model_type])
     streamed_dense, streamed_count = streamed_window_losses(sm, ids, SEQ)
     writer = ShardWriter(tmp_path, sm.output_tensors(), max_shard_size="100KB", total_parameters=sm.num_parameters())
-    result = prune_streamed(sm, method, sparsity, calib, writer=writer, progress=False)
+    result = prune_causal_lm(sm, method, sparsity, calib, writer=writer, progress=False)
     writer.close()
-    write_model_files(sm, tmp_path)
+    sm.write_model_files(tmp_path)
     assert result["layers"] == pytest.approx(expected["layers"], abs=0) and result["achieved_sparsity"] == expected["achieved_sparsity"]
-    assert result["largest_block_bytes"] == sum(p.numel() * 4 for p in sm.family.block_list(reference)[0].parameters())
+    assert sm.facts()["largest_block_bytes"] == sum(p.numel() * 4 for p in sm.family.block_list(reference)[0].parameters())
 
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     got = loaded.state_dict()
@@ -145,7 +144,7 @@ def test_streamed_magnitude_and_paired_method_equal_in_memory(folders, method, t
     prune_causal_lm(reference, method, Sparsity.parse("0.5"), *data, progress=False)
     sm = StreamedModel(folders["llama"])
     writer = ShardWriter(tmp_path, sm.output_tensors())
-    prune_streamed(sm, method, Sparsity.parse("0.5"), *data, writer=writer, progress=False)
+    prune_causal_lm(sm, method, Sparsity.parse("0.5"), *data, writer=writer, progress=False)
     writer.close()
     got = _tensors(tmp_path)
     for name, want in reference.state_dict().items():
@@ -162,9 +161,9 @@ def test_streamed_half_precision_equals_in_memory(folders, dtype, tmp_path):
     prune_causal_lm(reference, "sparsegpt", Sparsity.parse("2:4"), calib, progress=False)
     sm = StreamedModel(folders["llama"], dtype)
     writer = ShardWriter(tmp_path, sm.output_tensors())
-    prune_streamed(sm, "sparsegpt", Sparsity.parse("2:4"), calib, writer=writer, progress=False)
+    prune_causal_lm(sm, "sparsegpt", Sparsity.parse("2:4"), calib, writer=writer, progress=False)
     writer.close()
-    write_model_files(sm, tmp_path)
+    sm.write_model_files(tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
     got = _tensors(tmp_path)
     for name, want in reference.state_dict().items():

@@ -254,8 +254,8 @@ def test_each_rank_works_on_its_shard(monkeypatch, one_thread):
     pairs = (torch.randint(0, VOCAB, (3, 6)), torch.randint(0, VOCAB, (3, 6)), torch.ones(3, 6, dtype=torch.bool))
     seen, scored = [], []
     run_layerwise = llm.run_layerwise
-    monkeypatch.setattr(llm, "run_layerwise", lambda model, family, inputs, *a, **k:
-                        seen.extend(inputs) or run_layerwise(model, family, inputs, *a, **k))
+    monkeypatch.setattr(llm, "run_layerwise", lambda model, inputs, *a, **k:
+                        seen.extend(inputs or []) or run_layerwise(model, inputs, *a, **k))
     monkeypatch.setattr(language, "sentence_log_likelihoods",
                         lambda model, tok, sentences, *a: scored.extend(sentences) or torch.tensor([likelihood[s] for s in sentences]))
     monkeypatch.setattr(distributed, "world", lambda: (1, 2))
@@ -358,9 +358,9 @@ def prune_tiny_models_streamed(root: Path | str, tag: str) -> dict[str, dict]:
     from fairprune import distributed
     from fairprune.hub.shards import ShardWriter
     from fairprune.metrics.streamed import streamed_window_losses
+    from fairprune.pruning.llm import prune_causal_lm
     from fairprune.pruning.sparsity import Sparsity
-    from fairprune.pruning.streamed import StreamedModel, prune_streamed
-    from fairprune.workflows.streamed import write_model_files
+    from fairprune.pruning.streamed import StreamedModel
 
     calib, eval_ids, pairs = tiny_data()
     root, out = Path(root), {}
@@ -368,11 +368,11 @@ def prune_tiny_models_streamed(root: Path | str, tag: str) -> dict[str, dict]:
         sm = StreamedModel(root / family)
         folder = root / f"{tag}-{family}-{method}-{sparsity.replace(':', 'of')}"
         writer = ShardWriter(folder, sm.output_tensors(), total_parameters=sm.num_parameters()) if distributed.is_main() else None
-        prune_streamed(sm, method, Sparsity.parse(sparsity), calib_ids=calib, progress=False, writer=writer, batch_size=2,
-                       pairs=pairs if method == "debias-sparsegpt" else None)
+        prune_causal_lm(sm, method, Sparsity.parse(sparsity), calib_ids=calib, progress=False, writer=writer, batch_size=2,
+                        pairs=pairs if method == "debias-sparsegpt" else None)
         if writer is not None:
             writer.close()
-            write_model_files(sm, folder)
+            sm.write_model_files(folder)
         written = Path(distributed.broadcast_text(str(folder) if writer is not None else None))
         nll, count = streamed_window_losses(StreamedModel(written), eval_ids, 16)
         out[f"{family} {method} {sparsity}"] = {"folder": str(written), "nll": nll, "count": count}

@@ -43,6 +43,9 @@ class Family:
     head_counts: tuple[str, ...] = ()  # the number of query heads
     head_widths: tuple[str, ...] = ()  # query heads × head_dim
     head_groups: str | None = None  # query heads per key/value head
+    # Modules that run after the last block, before the head (causal LMs; in order, an absent optional
+    # one such as OPT's ``project_out`` skipped): what a model read block by block runs last.
+    tail: tuple[str, ...] = ()
 
     @property
     def heads_shrinkable(self) -> bool:
@@ -59,6 +62,12 @@ class Family:
         base = _base(model)
         found = (_get(base, path, missing_ok=True) for path in self.front)
         return [m for m in found if m is not None]
+
+    def tail_modules(self, model: nn.Module) -> list[nn.Module]:
+        """Modules that run after the last block, the output head last (causal LMs)."""
+        base = _base(model)
+        found = (_get(base, path, missing_ok=True) for path in self.tail)
+        return [m for m in found if m is not None] + [model.get_output_embeddings()]
 
     def block_linears(self, block: nn.Module) -> dict[str, nn.Module]:
         """The prunable ``nn.Linear`` / ``Conv1D`` layers of one block, by relative name."""
@@ -101,7 +110,7 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         name="gpt2", model_types=("gpt2",), front=("wte", "wpe"), blocks="h",
         linears=("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"), attn_out="attn.c_proj",
-        attention="attn", qkv=("c_attn",), head_counts=("num_heads",), head_widths=("split_size",),
+        attention="attn", qkv=("c_attn",), head_counts=("num_heads",), head_widths=("split_size",), tail=("ln_f",),
     ),
     Family(
         name="gpt-neo", model_types=("gpt_neo",), front=("wte", "wpe"), blocks="h",
@@ -110,7 +119,7 @@ FAMILIES: tuple[Family, ...] = (
             "attn.attention.out_proj", "mlp.c_fc", "mlp.c_proj",
         ),
         attn_out="attn.attention.out_proj",
-        attention="attn.attention", qkv=("q_proj", "k_proj", "v_proj"), head_counts=("num_heads",),
+        attention="attn.attention", qkv=("q_proj", "k_proj", "v_proj"), head_counts=("num_heads",), tail=("ln_f",),
     ),
     Family(
         name="opt", model_types=("opt",),
@@ -122,12 +131,13 @@ FAMILIES: tuple[Family, ...] = (
         ),
         attn_out="self_attn.out_proj",
         attention="self_attn", qkv=("q_proj", "k_proj", "v_proj"), head_counts=("num_heads",),
+        tail=("decoder.final_layer_norm", "decoder.project_out"),
     ),
     Family(
         name="llama", model_types=("llama", "mistral"), front=("embed_tokens", "rotary_emb"),
         blocks="layers", linears=_LLAMA_LINEARS, attn_out="self_attn.o_proj",
         attention="self_attn", qkv=("q_proj", "k_proj", "v_proj"),
-        kv_heads_key="num_key_value_heads", head_dim_key="head_dim", head_groups="num_key_value_groups",
+        kv_heads_key="num_key_value_heads", head_dim_key="head_dim", head_groups="num_key_value_groups", tail=("norm",),
     ),
     Family(
         name="bert", model_types=("bert", "roberta"), front=("embeddings",), blocks="encoder.layer",

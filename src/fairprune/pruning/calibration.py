@@ -5,13 +5,14 @@ The loop that SparseGPT, Debias-SparseGPT and Wanda share:
 1. run the model up to block 0 and keep what block 0 receives — hidden states plus the
    positional and keyword arguments it is called with (attention mask, rotary position
    embeddings, ...) — by raising from a forward pre-hook on block 0;
-2. for each block: move it to the compute device, hook its prunable layers to accumulate
-   statistics, run every calibration batch through it, prune each layer from its statistics,
-   then run the batches through the *pruned* block to get the next block's inputs, and move
-   the block back.
+2. for each block: load it (:meth:`~fairprune.pruning.blocks.Resident.loaded`), hook its
+   prunable layers to accumulate statistics, run every calibration batch through it, prune each
+   layer from its statistics, then run the batches through the *pruned* block to get the next
+   block's inputs, and let it go.
 
-Only the embedding front and one block are on the compute device at a time, so models larger
-than device memory can be pruned with the rest left on CPU. Statistics objects add one term per
+The model is a block model (:mod:`fairprune.pruning.blocks`): in memory, loading moves a block to
+the compute device and back, so only the embedding front and one block are on the device at a
+time; streamed from disk, loading reads the block's weights, so only one block is in memory. Statistics objects add one term per
 batch and reduce themselves across processes (see ``sparsegpt.Hessian.value``): under
 ``torchrun`` each rank runs this loop on its share of the batches (``llm.prune_causal_lm`` deals
 them out whole) and the layers are pruned from the statistics of all ranks, which sum every
@@ -36,7 +37,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fairprune import distributed
-from fairprune.families import Family
+from fairprune.pruning.blocks import as_blocks
 
 #: Aligned pairs per calibration batch: one forward of 2·32 sentences, one statistics term.
 PAIR_BATCH = 32
@@ -124,9 +125,10 @@ class _Captured(Exception):
 
 
 @torch.no_grad()
-def capture_block_inputs(model: nn.Module, family: Family, inputs: list[CalibInput], device) -> list[BlockInput]:
-    """Run each batch through the embedding front and keep block 0's call arguments."""
-    first = family.block_list(model)[0]
+def capture_block_inputs(model, inputs: list[CalibInput], device) -> list[BlockInput]:
+    """Run each batch through the embedding front (loaded for the time it runs) and keep block
+    0's call arguments. ``model``: an ``nn.Module`` or a block model (:mod:`fairprune.pruning.blocks`)."""
+    blocks = as_blocks(model)
     captured: list[BlockInput] = []
 
     def grab(module, args, kwargs):
@@ -135,52 +137,58 @@ def capture_block_inputs(model: nn.Module, family: Family, inputs: list[CalibInp
         captured.append(BlockInput(hidden, tuple(args[1:]), kwargs, current))
         raise _Captured
 
-    fronts = family.front_modules(model)
-    homes = [_device_of(m) for m in fronts]
-    for module in fronts:
-        module.to(device)
-    handle = first.register_forward_pre_hook(grab, with_kwargs=True)
-    try:
-        for current in inputs:
-            try:
-                padded = {} if current.attention is None else {"attention_mask": current.attention.to(device)}
-                model(input_ids=current.ids.to(device), **padded, use_cache=False)
-            except _Captured:
-                pass
-    finally:
-        handle.remove()
-        for module, home in zip(fronts, homes):
-            module.to(home)
+    with blocks.loaded(*blocks.front_modules(), device=device):
+        handle = blocks.blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+        try:
+            for current in inputs:
+                try:
+                    padded = {} if current.attention is None else {"attention_mask": current.attention.to(device)}
+                    blocks.model(input_ids=current.ids.to(device), **padded, use_cache=False)
+                except _Captured:
+                    pass
+        finally:
+            handle.remove()
     return captured
+
+
+def run_block(block: nn.Module, batches: list[BlockInput]) -> list[BlockInput]:
+    """Every batch through ``block``: the next block's inputs."""
+    return [replace(b, hidden=_hidden(block(b.hidden, *b.args, **b.kwargs))) for b in batches]
 
 
 @torch.no_grad()
 def run_layerwise(
-    model: nn.Module,
-    family: Family,
-    inputs: list[CalibInput],
+    model,
+    inputs: list[CalibInput] | None,
     device,
-    make_stat: Callable[[str, nn.Module], Any],
+    make_stat: Callable[[str, nn.Module], Any] | None,
     prune: Callable[[str, nn.Module, Any], None],
     progress: bool = True,
     desc: str = "pruning",
+    after: Callable[[int, nn.Module, dict[str, nn.Module]], None] | None = None,
 ) -> None:
-    """Calibrate and prune block after block; layer names are ``"<block>.<path>"``."""
-    was_training = model.training
-    model.eval()
-    batches = capture_block_inputs(model, family, inputs, device)
-    blocks = family.block_list(model)
-    for index, block in enumerate(tqdm(blocks, desc=desc, disable=not progress, unit="block")):
-        home = _device_of(block)
-        block.to(device)
-        layers = {f"{index}.{name}": layer for name, layer in family.block_linears(block).items()}
-        stats = {name: make_stat(name, layer) for name, layer in layers.items()}
-        _collect(block, layers, stats, batches)
-        for name, layer in layers.items():
-            prune(name, layer, stats.pop(name))
-        batches = [replace(b, hidden=_hidden(block(b.hidden, *b.args, **b.kwargs))) for b in batches]
-        block.to(home)
-    model.train(was_training)
+    """Calibrate and prune block after block, each block loaded for its turn; layer names are
+    ``"<block>.<path>"``. ``model``: an ``nn.Module`` or a block model (resident or streamed, see
+    :mod:`fairprune.pruning.blocks`). ``inputs`` None (with ``make_stat`` None): a method that
+    prunes from the weights alone, no calibration pass. ``after(index, block, layers)`` runs
+    once a block is solved, while it is still loaded (a streamed run writes it then)."""
+    blocks = as_blocks(model)
+    was_training = blocks.model.training
+    blocks.model.eval()
+    batches = capture_block_inputs(blocks, inputs, device) if inputs is not None else None
+    for index, block in enumerate(tqdm(blocks.blocks, desc=desc, disable=not progress, unit="block")):
+        with blocks.loaded(block, device=device):
+            layers = {f"{index}.{name}": layer for name, layer in blocks.family.block_linears(block).items()}
+            stats = {name: make_stat(name, layer) for name, layer in layers.items()} if batches is not None else {}
+            if batches is not None:
+                _collect(block, layers, stats, batches)
+            for name, layer in layers.items():
+                prune(name, layer, stats.pop(name, None))
+            if batches is not None and index + 1 < len(blocks.blocks):
+                batches = run_block(block, batches)
+            if after is not None:
+                after(index, block, layers)
+    blocks.model.train(was_training)
 
 
 def _collect(block: nn.Module, layers: dict, stats: dict, batches: list[BlockInput], share: bool = True) -> None:
@@ -250,10 +258,3 @@ def _agree_partners(partners: list[int], seen: bool) -> list[int]:
 def _hidden(output) -> torch.Tensor:
     # v5 blocks return a tensor; some (GPT-Neo) still return a tuple whose first item it is.
     return output[0] if isinstance(output, (tuple, list)) else output
-
-
-def _device_of(module: nn.Module) -> torch.device:
-    tensor = next(module.parameters(), None)
-    if tensor is None:
-        tensor = next(module.buffers(), None)
-    return tensor.device if tensor is not None else torch.device("cpu")

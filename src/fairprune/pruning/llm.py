@@ -16,20 +16,22 @@ from __future__ import annotations
 
 import math
 import time
+from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from fairprune import distributed
 from fairprune.data.pairs import LMTexts
 from fairprune.data.text import calibration_ids, document_start, paired_ids
 from fairprune.errors import UserError
 from fairprune.families import Family, family_of, linear_weight, set_linear_weight
+from fairprune.hub.checks import nonfinite
 from fairprune.metrics.language import LMItems, measure_lm_items
 from fairprune.metrics.language import eval_ids as tokenize_eval
 from fairprune.metrics.lm_bootstrap import lm_intervals, lm_paired
 from fairprune.pruning import registry
+from fairprune.pruning.blocks import as_blocks
 from fairprune.pruning.calibration import PAIR_BATCH, rank_inputs, run_layerwise
 from fairprune.pruning.masks import Target, achieved_sparsity, sparsity_table
 from fairprune.pruning.registry import Method
@@ -59,12 +61,10 @@ def prune_and_measure(model: nn.Module, tokenizer, method: str, sparsity: Sparsi
     """
     entry = registry.get(method, "lm")
     check_pattern_fits(model, sparsity)  # unknown families and N:M patterns the widths do not allow fail here
-    family = family_of(model)
     eval_seqlen = eval_seqlen or seqlen
     start = time.perf_counter()
     talk = progress and distributed.is_main()
     ids = tokenize_eval(texts.eval_text, tokenizer, eval_tokens) if eval_ids is None else eval_ids
-    dense_zeros = sparsity_by_layer(model, family)["__total__"]  # what the method did not prune itself
     before, before_items = dense, dense_items
     if before is None:
         if talk:
@@ -81,23 +81,43 @@ def prune_and_measure(model: nn.Module, tokenizer, method: str, sparsity: Sparsi
     after, items = measure_lm_items(model, tokenizer, ids, texts.eval_pairs, eval_seqlen, device, progress=progress)
     model.to("cpu")
     end = time.perf_counter()
-    sparsity_facts = {"target": result["target_sparsity"], "nm": result["nm"], "achieved": result["achieved_sparsity"],
-                      "dense_zero_fraction": dense_zeros}
-    report = {
-        "method": method, "family": result["family"], "target_sparsity": result["target_sparsity"],
-        "nm": result["nm"], "achieved_sparsity": result["achieved_sparsity"], "sparsity": sparsity_facts,
-        "metrics": after, "reference": {"method": "dense", "metrics": before, "from_cache": False},
-        "calibration": {"nsamples": nsamples if calib is not None else 0, "seqlen": seqlen,
-                        "pairs": len(texts.calib_pairs) if pairs is not None else 0, "eval_pairs": len(texts.eval_pairs)},
-        "evaluation": evaluation_facts(ids, eval_seqlen, eval_tokens, texts.eval_pairs, tokenizer),
-        "seconds": {"prune": pruned - measured, "solve": result["seconds"]["solve"],
-                    "evaluate": (measured - start) + (end - pruned), "total": end - start},
+    report = lm_report(result, after, items, before, before_items,
+                       calibration=calibration_facts(texts, nsamples if calib is not None else 0, seqlen, pairs is not None),
+                       evaluation=evaluation_facts(ids, eval_seqlen, eval_tokens, texts.eval_pairs, tokenizer),
+                       seconds={"prune": pruned - measured, "solve": result["seconds"]["solve"],
+                                "evaluate": (measured - start) + (end - pruned), "total": end - start})
+    return report, result["layers"], items
+
+
+def lm_report(result: dict, after: dict[str, float], items: LMItems, before: dict[str, float],
+              before_items: LMItems | None, *, calibration: dict, evaluation: dict, seconds: dict,
+              from_cache: bool = False, **extra: Any) -> dict[str, Any]:
+    """The report of one post-training run, whatever ran it (a command, in memory or streamed, or
+    the post-training callback): the method and sparsity facts of ``result``
+    (:func:`prune_causal_lm`'s), the pruned model's figures ``after`` with their intervals, the
+    dense model's ``before`` as the reference (with intervals, and the paired differences on the
+    same windows and pairs when ``before_items`` are at hand); ``extra`` keys added at the top."""
+    report: dict[str, Any] = {
+        "method": result["method"], **{k: v for k, v in extra.items() if k == "model"},
+        "family": result["family"], "target_sparsity": result["target_sparsity"],
+        "nm": result["nm"], "achieved_sparsity": result["achieved_sparsity"],
+        "sparsity": {"target": result["target_sparsity"], "nm": result["nm"], "achieved": result["achieved_sparsity"],
+                     "dense_zero_fraction": result["dense_zero_fraction"]},
+        "metrics": after, "reference": {"method": "dense", "metrics": before, "from_cache": from_cache},
+        "calibration": calibration, "evaluation": evaluation, "seconds": seconds,
+        **{k: v for k, v in extra.items() if k != "model"},
     }
     report["ci"] = lm_intervals(items)
     if before_items is not None:
         report["reference"]["ci"] = lm_intervals(before_items)
         report["paired"] = {"baseline": "dense", **lm_paired(items, before_items)}
-    return report, result["layers"], items
+    return report
+
+
+def calibration_facts(texts: LMTexts, nsamples: int, seqlen: int, paired: bool) -> dict[str, int]:
+    """What a run calibrated on: windows and their length, stereotype pairs, evaluation pairs."""
+    return {"nsamples": nsamples, "seqlen": seqlen, "pairs": len(texts.calib_pairs) if paired else 0,
+            "eval_pairs": len(texts.eval_pairs)}
 
 
 def evaluation_facts(ids: torch.Tensor, window: int, eval_tokens: int | None, eval_pairs: list, tokenizer=None) -> dict:
@@ -124,7 +144,7 @@ def solve_layer(entry: Method, layer: nn.Module, stat, sparsity: Sparsity, setti
 
 
 def prune_causal_lm(
-    model: nn.Module,
+    model,
     method: str,
     sparsity: Sparsity,
     calib_ids: torch.Tensor | None = None,
@@ -135,52 +155,74 @@ def prune_causal_lm(
     progress: bool = True,
     batch_size: int = 1,
     pair_batch_size: int = PAIR_BATCH,
+    writer=None,
 ) -> dict:
-    """Prune ``model`` in place and return ``{"layers": {name: sparsity}, "achieved_sparsity", "seconds", ...}``.
+    """Prune ``model`` in place and return ``{"layers": {name: sparsity}, "achieved_sparsity",
+    "dense_zero_fraction", "seconds", ...}``.
 
-    ``method``: an ``lm`` method of the registry; its entry's ``statistic`` is accumulated over
-    each layer's calibration inputs and its ``selection`` solves the layer (a method without a
-    statistic prunes from the weights alone). ``sparsity``: :meth:`Sparsity.parse` of a fraction
-    or N:M. ``calib_ids`` [n, seq]: calibration token ids (optional extra data for a paired
-    method). ``pairs``: ``(ids0, ids1)`` or ``(ids0, ids1, mask)`` token-aligned stereotypical /
-    anti-stereotypical batches (paired methods only), e.g. from ``fairprune.data.text.paired_ids``.
-    ``batch_size`` windows and ``pair_batch_size`` pairs make one calibration batch (one forward,
-    one statistics term each; :func:`fairprune.pruning.calibration.make_inputs`).
+    ``model``: an ``nn.Module`` or a block model (:mod:`fairprune.pruning.blocks`: in memory, or
+    streamed from its safetensors files with one block resident). ``method``: an ``lm`` method of
+    the registry; its entry's ``statistic`` is accumulated over each layer's calibration inputs
+    and its ``selection`` solves the layer (a method without a statistic prunes from the weights
+    alone). ``sparsity``: :meth:`Sparsity.parse` of a fraction or N:M. ``calib_ids`` [n, seq]:
+    calibration token ids (optional extra data for a paired method). ``pairs``: ``(ids0, ids1)``
+    or ``(ids0, ids1, mask)`` token-aligned stereotypical / anti-stereotypical batches (paired
+    methods only), e.g. from ``fairprune.data.text.paired_ids``. ``batch_size`` windows and
+    ``pair_batch_size`` pairs make one calibration batch (one forward, one statistics term each;
+    :func:`fairprune.pruning.calibration.make_inputs`). ``writer``: a
+    :class:`~fairprune.hub.shards.ShardWriter` each solved block is written to while it is
+    loaded (checked finite first), then every tensor the blocks do not hold; the caller closes it.
 
     Under ``torch.distributed`` every rank passes the same full ``calib_ids`` / ``pairs`` and
     calibrates on its share of the batches; all ranks end with one process's weights.
     """
     start = time.perf_counter()
     entry = registry.get(method, "lm")
-    family = family_of(model)
-    _validate(model, family, entry, sparsity, calib_ids, pairs)
+    blocks = as_blocks(model)
+    blocks._digest = None  # its weights change: a digest taken before no longer holds
+    family = blocks.family
+    _validate(blocks.model, family, entry, sparsity, calib_ids, pairs)
     solve_seconds = [0.0]
     settings = {"blocksize": blocksize, "percdamp": percdamp}
+    dense_rows, rows = [], []
 
     def prune(name: str, layer: nn.Module, stat) -> None:
+        dense_rows.extend(sparsity_table([Target(name, layer)]))
         tick = time.perf_counter()
         solve_layer(entry, layer, stat, sparsity, settings)
         solve_seconds[0] += time.perf_counter() - tick
+        rows.extend(sparsity_table([Target(name, layer)]))
 
-    if entry.statistic is None:  # from the weights alone: no calibration pass
-        with torch.no_grad():
-            for block in tqdm(family.block_list(model), desc=method, disable=not progress, unit="block"):
-                for name, layer in family.block_linears(block).items():
-                    prune(name, layer, None)
-    else:
-        def make_stat(name: str, layer: nn.Module):
-            return entry.make_statistic(linear_weight(layer).shape[1], device=device)
+    def solved(index: int, block: nn.Module, layers: dict[str, nn.Module]) -> None:
+        if writer is None:
+            return
+        found = nonfinite(block)
+        if found is not None:
+            raise UserError(f"pruning with {method} produced a broken model: parameter {blocks.prefix(block)}{found[0]} "
+                            f"holds {found[1]} (the input model was finite); nothing was written (try another method, "
+                            "sparsity or calibration set)")
+        planned = set(writer.missing())
+        writer.write_many((name, t) for name, t in blocks.state_of(block) if name in planned)
 
-        inputs = rank_inputs(calib_ids, pairs, batch_size, pair_batch_size)  # this rank's share of the batches
-        run_layerwise(model, family, inputs, device, make_stat, prune, progress, desc=method)
-    layers = sparsity_by_layer(model, family)
+    def make_stat(name: str, layer: nn.Module):
+        return entry.make_statistic(linear_weight(layer).shape[1], device=device)
+
+    calibrated = entry.statistic is not None
+    inputs = rank_inputs(calib_ids, pairs, batch_size, pair_batch_size) if calibrated else None  # this rank's share
+    run_layerwise(blocks, inputs, device, make_stat if calibrated else None, prune,
+                  progress and distributed.is_main(), desc=method, after=solved)
+    if writer is not None:
+        for name in writer.missing():  # the front, the final norm, the head: as they are
+            writer.write(name, blocks.read_output(name))
+    total = sum(r["numel"] for r in rows)
     return {
         "method": method,
         "family": family.name,
         "target_sparsity": float(sparsity.fraction),
         "nm": str(sparsity) if sparsity.nm else None,
-        "achieved_sparsity": layers.pop("__total__"),
-        "layers": layers,
+        "achieved_sparsity": sum(r["zeros"] for r in rows) / total if total else 0.0,
+        "dense_zero_fraction": sum(r["zeros"] for r in dense_rows) / total if total else 0.0,
+        "layers": {r["layer"]: r["sparsity"] for r in rows},
         "seconds": {"solve": solve_seconds[0], "total": time.perf_counter() - start},
     }
 

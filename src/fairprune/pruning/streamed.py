@@ -9,36 +9,27 @@ so at most one block's weights (or the embeddings) are resident. Every part is c
 as it loads. Tied weights (the head sharing the token embedding) are read from whichever name
 the checkpoint stores.
 
-:func:`prune_streamed` is :func:`fairprune.pruning.llm.prune_causal_lm` block by block over such a
-model: the same checks, the same calibration (the inputs of block 0 captured through the
-embedding front by :func:`fairprune.pruning.calibration.capture_block_inputs`; block i
-calibrated on the outputs of the already-pruned block i−1, the calibration windows' hidden
-states held between blocks), the same statistics and layer solve (the registry entry's
-``make_statistic`` and ``select``; the solvers work in float32 inside a layer whatever the
-model's dtype), and the same per-layer sparsity. Each pruned block is written to a
-:class:`~fairprune.hub.shards.ShardWriter` as soon as it is solved, the untouched tensors (front,
-final norm, head) pass straight from the input files to the output ones, so the output folder
-is what ``save_pretrained`` of the pruned model would write.
+It is a block model (:mod:`fairprune.pruning.blocks`): the one pipeline prunes it as it prunes a
+model in memory (:func:`fairprune.pruning.llm.prune_causal_lm`: the same checks, calibration,
+statistics, layer solve and per-layer sparsity), each pruned block written to a
+:class:`~fairprune.hub.shards.ShardWriter` (:meth:`StreamedModel.writer`) as soon as it is solved
+and the untouched tensors (front, final norm, head) passed straight from the input files to the
+output ones, so the output folder is what ``save_pretrained`` of the pruned model would write.
 
 :meth:`StreamedModel.forward` runs batches through the whole model the same way (used by the
 streamed measurements, :mod:`fairprune.metrics.streamed`): block 0's inputs captured, every block
 loaded once and run on all batches, the hidden states held between blocks, then the final norm;
 :meth:`StreamedModel.logits` applies the head.
 
-Under ``torchrun`` every rank streams the model the same way (no rank holds it whole): each
-calibrates on its share of whole batches, the statistics are summed exactly across ranks
-(:class:`~fairprune.distributed.ExactSum`), every rank solves the same layers and takes rank 0's
-solution, so the pruned weights are one process's bit for bit; only the rank given a writer writes.
+Under ``torchrun`` every rank streams the model the same way (no rank holds it whole); only the
+rank given a writer writes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,46 +37,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from fairprune import distributed
 from fairprune.errors import UserError
-from fairprune.families import _get, family_of, linear_weight
+from fairprune.families import family_of
 from fairprune.hub.checks import nonfinite
-from fairprune.hub.shards import ShardReader, ShardWriter, refuse_nonfloat
-from fairprune.pruning import registry
-from fairprune.pruning.calibration import PAIR_BATCH, BlockInput, _collect, _hidden, capture_block_inputs, rank_inputs
-from fairprune.pruning.llm import _validate, solve_layer
-from fairprune.pruning.masks import Target, sparsity_table
-from fairprune.pruning.sparsity import Sparsity
-
-#: What runs after the last block, per family (paths relative to ``model.base_model``, in order; an
-#: absent optional one, e.g. OPT's ``project_out``, is skipped); the head follows.
-TAILS: dict[str, tuple[str, ...]] = {
-    "gpt2": ("ln_f",),
-    "gpt-neo": ("ln_f",),
-    "opt": ("decoder.final_layer_norm", "decoder.project_out"),
-    "llama": ("norm",),
-}
-
-
-def trim_heap() -> None:
-    """Give the C heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere
-    nothing): the weights and activations of a block just put back on ``meta`` leave free holes
-    in the heap that would otherwise stay resident while the next block loads."""
-    if _LIBC is not None:
-        _LIBC.malloc_trim(0)
-
-
-def _glibc():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        return libc if hasattr(libc, "malloc_trim") else None
-    except OSError:
-        return None
-
-
-_LIBC = _glibc()
+from fairprune.hub.shards import ShardReader, refuse_nonfloat
+from fairprune.memory import trim_heap
+from fairprune.pruning.calibration import CalibInput, capture_block_inputs, run_block
 
 
 def _split(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -95,9 +52,12 @@ def _split(module: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 
 class StreamedModel:
-    """A causal LM whose weights stay in its folder's safetensors files (see the module docstring).
+    """A causal LM whose weights stay in its folder's safetensors files (see the module docstring);
+    a block model (:mod:`fairprune.pruning.blocks`) like :class:`~fairprune.pruning.blocks.Resident`.
 
     ``dtype``: what parameters are loaded as (None: float32); ``device``: where blocks run."""
+
+    streamed = True
 
     def __init__(self, folder: str | Path, dtype: torch.dtype | None = None, trust_remote_code: bool = False,
                  source: str | None = None):
@@ -120,8 +80,9 @@ class StreamedModel:
         self.model = model
         self.config = model.config
         self.family = family_of(model)
-        if self.family.name not in TAILS:
-            raise UserError(f"--stream true supports the causal families {', '.join(TAILS)}, not {self.family.name}")
+        if not self.family.tail:
+            raise UserError(f"--stream true reads causal LMs block by block; the {self.family.name} family has no "
+                            "causal head: run it in memory (--stream false)")
         self.blocks = list(self.family.block_list(model))
         self._prefix = {id(m): name for name, m in model.named_modules()}
         groups: dict[int, list[str]] = {}
@@ -205,6 +166,73 @@ class StreamedModel:
             return False
         return True
 
+    def writer(self, out: Path | None):
+        """A writer of the pruned model into ``out`` (None: this rank does not write): the tensors
+        ``save_pretrained`` writes, in its order."""
+        from fairprune.hub.shards import ShardWriter
+
+        return None if out is None else ShardWriter(out, self.output_tensors(), total_parameters=self.num_parameters())
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights ``save_pretrained`` writes in the run's dtype."""
+        return sum(t.numel() * t.element_size() for t in self.output_tensors().values())
+
+    def saved_bytes(self, tokenizer) -> int:
+        """About what the pruned model's folder takes on disk (weights and tokenizer files)."""
+        return self.weight_bytes() + 128 * len(tokenizer) + 64 * 1024
+
+    def save(self, out: Path | None, output, tokenizer, writer, method: str, trust_remote_code: bool = False,
+             **_: Any) -> tuple[StreamedModel, dict | None]:
+        """Finish the pruned model in ``out`` (its blocks were written as they were solved): the
+        writer closed, config and tokenizer beside it; then the pruned model as written, read from
+        rank 0's files on every rank, and the ``weights`` facts of the files."""
+        from fairprune.distributed import broadcast_text
+        from fairprune.hub.compressed import dtype_name, weight_file_bytes
+
+        weights = None
+        if out is not None:
+            writer.close()
+            self.write_model_files(out)
+            tokenizer.save_pretrained(out)
+            dense, written = self.weight_bytes(), weight_file_bytes(out)
+            weights = {"save_format": "dense", "dtype": dtype_name(self.dtype), "format": "dense", "dense_bytes": dense,
+                       "file_bytes": written, "ratio": written / dense if dense else None}
+        folder = Path(broadcast_text(None if out is None else str(out)))
+        return StreamedModel(folder, self.dtype, trust_remote_code, source=str(output)), weights
+
+    def task_model(self, lm) -> tuple[None, Any]:
+        """What lm-eval runs on: the model loaded by transformers' disk offload
+        (:func:`fairprune.workflows.tasks.offloaded`), at most four of its largest parts in memory."""
+        from fairprune.workflows.tasks import offloaded
+
+        return None, offloaded(self.folder, lm, 4 * stream_facts(self).largest_part_bytes)
+
+    def facts(self) -> dict[str, int]:
+        """The sizes a report's ``memory`` records: the model's, its largest block's and the largest
+        part resident at once."""
+        found = stream_facts(self)
+        return {"largest_block_bytes": found.largest_block_bytes, "largest_part_bytes": found.largest_part_bytes,
+                "model_bytes": self.weight_bytes()}
+
+    def write_model_files(self, out: Path) -> None:
+        """``config.json`` (the run's dtype) and ``generation_config.json`` beside the weights, as
+        ``save_pretrained`` writes them."""
+        from transformers import GenerationConfig
+
+        config = self.model.config
+        config.architectures = [type(self.model).__name__]
+        config.dtype = self.dtype
+        config.save_pretrained(out)
+        generation = None
+        if (self.folder / "generation_config.json").is_file():
+            try:
+                generation = GenerationConfig.from_pretrained(self.folder)
+            except (OSError, ValueError):
+                generation = None
+        generation = generation or getattr(self.model, "generation_config", None)
+        if generation is not None and self.model.can_generate():
+            generation.save_pretrained(out)
+
     # -- loading ----------------------------------------------------------------------------------
     def nbytes(self, *modules: nn.Module) -> int:
         """Bytes the parameters of ``modules`` take once loaded (a shared one once)."""
@@ -222,9 +250,7 @@ class StreamedModel:
 
     def tail_modules(self) -> list[nn.Module]:
         """The modules that run after the last block, the head last."""
-        base = getattr(self.model, "base_model", self.model)
-        found = [_get(base, path, missing_ok=True) for path in TAILS[self.family.name]]
-        return [m for m in found if m is not None] + [self.model.get_output_embeddings()]
+        return self.family.tail_modules(self.model)
 
     @contextlib.contextmanager
     def loaded(self, *modules: nn.Module, device: str | torch.device = "cpu") -> Iterator[None]:
@@ -259,42 +285,23 @@ class StreamedModel:
         """The loaded state-dict entries of ``module`` under their full names."""
         yield from module.state_dict(prefix=self.prefix(module)).items()
 
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every state-dict entry by name, read tensor by tensor as ``from_pretrained`` would load
+        it in the run's dtype (the weights digest of the dense cache reads them so)."""
+        for name in self.model.state_dict(keep_vars=True):
+            yield name, self.read_output(name)
+
     # -- running ----------------------------------------------------------------------------------
-    @torch.no_grad()
-    def capture(self, calls: list[dict[str, torch.Tensor]], device) -> list[BlockInput]:
-        """What block 0 is called with for each call of the model (``input_ids`` and optionally
-        ``attention_mask``), the embedding front loaded for the time it runs."""
-        first = self.blocks[0]
-        captured: list[BlockInput] = []
-
-        def grab(module, args, kwargs):
-            kwargs = dict(kwargs)
-            hidden = args[0] if args else kwargs.pop("hidden_states")
-            captured.append(BlockInput(hidden, tuple(args[1:]), kwargs, None))
-            raise _Captured
-
-        fronts = self.front_modules()
-        with self.loaded(*fronts, device=device):
-            handle = first.register_forward_pre_hook(grab, with_kwargs=True)
-            try:
-                for call in calls:
-                    try:
-                        self.model(**{k: v.to(device) for k, v in call.items()}, use_cache=False)
-                    except _Captured:
-                        pass
-            finally:
-                handle.remove()
-        return captured
-
     @torch.no_grad()
     def forward(self, calls: list[dict[str, torch.Tensor]], device, progress: bool = False,
                 desc: str = "blocks") -> list[torch.Tensor]:
         """The hidden states after the last block and the final norm (the head's input) of each
-        call, every block loaded once for all of them."""
-        batches = self.capture(calls, device)
+        call (``input_ids`` and optionally ``attention_mask``), every block loaded once for all of them."""
+        inputs = [CalibInput(call["input_ids"], attention=call.get("attention_mask")) for call in calls]
+        batches = capture_block_inputs(self, inputs, device)
         for block in tqdm(self.blocks, desc=desc, unit="block", leave=False, disable=not progress):
             with self.loaded(block, device=device):
-                batches = [replace(b, hidden=_hidden(block(b.hidden, *b.args, **b.kwargs))) for b in batches]
+                batches = run_block(block, batches)
         tails = self.tail_modules()[:-1]
         out = []
         with self.loaded(*tails, device=device):
@@ -305,16 +312,19 @@ class StreamedModel:
                 out.append(hidden)
         return out
 
+    def measure(self, tokenizer, ids: torch.Tensor, pairs: list, window: int, device, progress: bool = False):
+        """:func:`fairprune.metrics.streamed.measure_streamed` of the model: the figures and items
+        :func:`~fairprune.metrics.language.measure_lm_items` gives in memory."""
+        from fairprune.metrics.streamed import measure_streamed
+
+        return measure_streamed(self, tokenizer, ids, pairs, window, device, progress=progress)
+
     @contextlib.contextmanager
     def head(self, device) -> Iterator[nn.Module]:
         """The output head, loaded for the time of the block."""
         head = self.model.get_output_embeddings()
         with self.loaded(head, device=device):
             yield head
-
-
-class _Captured(Exception):
-    """Raised from block 0's pre-hook: the rest of the model need not run."""
 
 
 @dataclass
@@ -331,77 +341,3 @@ def stream_facts(sm: StreamedModel) -> StreamFacts:
     blocks = max(sm.nbytes(b) for b in sm.blocks)
     parts = [sm.nbytes(*sm.front_modules()), sm.nbytes(*sm.tail_modules()[:-1]), sm.nbytes(sm.tail_modules()[-1])]
     return StreamFacts(blocks, max(blocks, *parts))
-
-
-@torch.no_grad()
-def prune_streamed(
-    sm: StreamedModel,
-    method: str,
-    sparsity: Sparsity,
-    calib_ids: torch.Tensor | None = None,
-    pairs: tuple[torch.Tensor, ...] | None = None,
-    device: str | torch.device = "cpu",
-    percdamp: float = 0.01,
-    blocksize: int = 128,
-    writer: ShardWriter | None = None,
-    progress: bool = True,
-    batch_size: int = 1,
-    pair_batch_size: int = PAIR_BATCH,
-) -> dict[str, Any]:
-    """:func:`~fairprune.pruning.llm.prune_causal_lm` of a :class:`StreamedModel`, one block
-    resident at a time; each pruned block goes to ``writer`` (then every tensor the blocks do
-    not hold, read from the input), which is left for the caller to close. Collective under
-    ``torchrun``: every rank calls it, rank 0 alone with a writer. Returns what
-    ``prune_causal_lm`` returns, plus ``dense_zero_fraction`` (zeros the prunable layers had
-    before) and ``largest_block_bytes``."""
-    start = time.perf_counter()
-    entry = registry.get(method, "lm")
-    model, family = sm.model, sm.family
-    _validate(model, family, entry, sparsity, calib_ids, pairs)
-    settings = {"blocksize": blocksize, "percdamp": percdamp}
-    solve_seconds = 0.0
-    batches: list[BlockInput] = []
-    if entry.statistic is not None:
-        inputs = rank_inputs(calib_ids, pairs, batch_size, pair_batch_size)  # as prune_causal_lm deals them
-        with sm.loaded(*sm.front_modules(), device="cpu"):  # capture_block_inputs moves them to the device
-            batches = capture_block_inputs(model, family, inputs, device)
-    dense_rows, rows = [], []
-    for index, block in enumerate(tqdm(sm.blocks, desc=method, disable=not progress or not distributed.is_main(),
-                                       unit="block")):
-        with sm.loaded(block, device=device):
-            layers = {f"{index}.{name}": layer for name, layer in family.block_linears(block).items()}
-            dense_rows += sparsity_table([Target(name, layer) for name, layer in layers.items()])
-            stats = {}
-            if entry.statistic is not None:
-                stats = {name: entry.make_statistic(linear_weight(layer).shape[1], device=device) for name, layer in layers.items()}
-                _collect(block, layers, stats, batches)
-            for name, layer in layers.items():
-                tick = time.perf_counter()
-                solve_layer(entry, layer, stats.pop(name, None), sparsity, settings)
-                solve_seconds += time.perf_counter() - tick
-            if entry.statistic is not None:
-                batches = [replace(b, hidden=_hidden(block(b.hidden, *b.args, **b.kwargs))) for b in batches]
-            found = nonfinite(block)
-            if found is not None:
-                raise UserError(f"pruning with {method} produced a broken model: parameter {sm.prefix(block)}{found[0]} "
-                                f"holds {found[1]} (the input model was finite); nothing was written (try another method, "
-                                "sparsity or calibration set)")
-            rows += sparsity_table([Target(name, layer) for name, layer in layers.items()])
-            if writer is not None:
-                planned = set(writer.missing())
-                writer.write_many((name, t) for name, t in sm.state_of(block) if name in planned)
-    if writer is not None:
-        for name in writer.missing():  # the front, the final norm, the head: as they are
-            writer.write(name, sm.read_output(name))
-    total = sum(r["numel"] for r in rows)
-    return {
-        "method": method,
-        "family": family.name,
-        "target_sparsity": float(sparsity.fraction),
-        "nm": str(sparsity) if sparsity.nm else None,
-        "achieved_sparsity": sum(r["zeros"] for r in rows) / total if total else 0.0,
-        "dense_zero_fraction": sum(r["zeros"] for r in dense_rows) / total if total else 0.0,
-        "layers": {r["layer"]: r["sparsity"] for r in rows},
-        "largest_block_bytes": max(sm.nbytes(b) for b in sm.blocks),
-        "seconds": {"solve": solve_seconds, "total": time.perf_counter() - start},
-    }

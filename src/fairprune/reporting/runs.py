@@ -76,7 +76,6 @@ def _write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, An
     """Write the run into a staging folder beside ``output`` and swap it in whole (``keep``: files
     of ``output`` that stay); ``extra(folder)`` writes more files first. ``save_format`` (dense or
     compressed) adds the report's ``weights`` block; None: ``save_pretrained`` alone."""
-    import pandas as pd
     check_result(model, output, report.get("method"))
     report.setdefault("threads", torch.get_num_threads())
 
@@ -90,14 +89,27 @@ def _write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, An
 
             report["weights"] = save_weights(model, out, save_format, nm)
         tokenizer.save_pretrained(out)
-        if layers is not None:
-            write_csv(out / "sparsity.csv", pd.DataFrame([{"layer": k, "sparsity": v} for k, v in layers.items()]),
-                      index=False)
-        write_text(out / "config.yaml", yaml.safe_dump(config, sort_keys=False))
-        write_model_card(out, report, config)  # README.md: the Hub's model card, the run's figures in it
-        write_json(out / "report.json", report)
+        write_run_files(out, report, config, layers)
 
     return replace_folder(output, write, keep=keep, owned=RUN_FILES)
+
+
+def write_run_files(out: Path, report: dict[str, Any], config: dict[str, Any], layers: dict[str, float] | None = None,
+                    items: Any = None, task_items: Any = None) -> None:
+    """What every LM run writes beside its model, into its staging folder ``out``: the per-item
+    outcomes (``eval_items.npz``, ``task_items.json``, when given), ``sparsity.csv`` (when
+    given), ``config.yaml``, the model card (``README.md``) and, last, ``report.json``."""
+    import pandas as pd  # here, not at the top: a streamed run holds it only once its work is done
+
+    for found in (items, task_items):
+        if found is not None:
+            found.save(out)
+    if layers is not None:
+        write_csv(out / "sparsity.csv", pd.DataFrame([{"layer": k, "sparsity": v} for k, v in layers.items()]),
+                  index=False)
+    write_text(out / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+    write_model_card(out, report, config)  # README.md: the Hub's model card, the run's figures in it
+    write_json(out / "report.json", report)
 
 
 def write_head_run(output: str | os.PathLike, model, tokenizer, result: Any, config: dict[str, Any],

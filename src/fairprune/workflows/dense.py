@@ -35,14 +35,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
 
 import fairprune
 from fairprune import distributed
 from fairprune.data.pairs import direction
 from fairprune.data.text import encode_sentence
 from fairprune.hub import cache_dir
-from fairprune.metrics.language import STEREOTYPE_KEYS, LMItems, measure_lm_items
+from fairprune.metrics.language import STEREOTYPE_KEYS, LMItems
+from fairprune.pruning.blocks import as_blocks
 from fairprune.reporting.report import write_json
 
 CACHE_VERSION = 3  # 2: the stereotype score is the CrowS-Pairs metric with its parts; 3: per-item outcomes kept
@@ -72,17 +72,28 @@ class DenseFigures:
         return {**self.metrics, **headline(self.tasks.figures)}
 
 
-def weights_digest(model: nn.Module) -> str:
-    """SHA-256 of the model's class, config and every state-dict tensor (name, dtype, shape, bytes)."""
-    digest = hashlib.sha256(type(model).__name__.encode())
-    config = getattr(model, "config", None)
+def weights_digest(model) -> str:
+    """SHA-256 of the model's class, config and every state-dict tensor (name, dtype, shape, bytes).
+    ``model``: an ``nn.Module`` or a block model (:mod:`fairprune.pruning.blocks`), whose tensors
+    are read one at a time (a streamed model's from its files, in the run's dtype: the bytes
+    ``from_pretrained`` would load, so the same digest). Kept on a block model once computed."""
+    blocks = as_blocks(model)
+    found = getattr(blocks, "_digest", None)
+    if found is not None:
+        return found
+    module = blocks.model
+    digest = hashlib.sha256(type(module).__name__.encode())
+    config = getattr(module, "config", None)
     if config is not None:
         settings = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
         digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
-    for name, tensor in sorted(model.state_dict().items()):
-        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}".encode())
-        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    state = module.state_dict(keep_vars=True)
+    for name in sorted(state):
+        digest.update(f"{name}|{state[name].dtype}|{tuple(state[name].shape)}".encode())
+        flat = blocks.read_output(name).detach().to("cpu").contiguous().reshape(-1)
         digest.update(memoryview(flat.view(torch.uint8).numpy()))
+    if blocks is model:
+        blocks._digest = digest.hexdigest()
     return digest.hexdigest()
 
 
@@ -92,7 +103,7 @@ def _ids_digest(rows: list[list[int]] | torch.Tensor) -> str:
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
 
 
-def cache_key(model: nn.Module, tokenizer, eval_ids: torch.Tensor, eval_pairs: list, window: int,
+def cache_key(model, tokenizer, eval_ids: torch.Tensor, eval_pairs: list, window: int,
               eval_tokens: int | None, device: torch.device | str) -> dict[str, Any]:
     """What the dense figures depend on (see the module docstring), as a JSON-able dict."""
     pair_ids = [encode_sentence(tokenizer, sentence) for pair in eval_pairs for sentence in pair]
@@ -101,7 +112,7 @@ def cache_key(model: nn.Module, tokenizer, eval_ids: torch.Tensor, eval_pairs: l
         "model": weights_digest(model), "eval_ids": _ids_digest(eval_ids),
         "pairs": _ids_digest([*pair_ids, [int(direction(pair) == "antistereo") for pair in eval_pairs]]),
         "window": int(window), "eval_tokens": eval_tokens,
-        "device": torch.device(device).type, "dtype": str(next(model.parameters()).dtype),
+        "device": torch.device(device).type, "dtype": str(as_blocks(model).dtype),
     }
 
 
@@ -145,15 +156,18 @@ def _agree(found: dict[str, float] | None) -> dict[str, float] | None:
     return {name: int(v) if name == "stereotype_pairs_neutral" else v for name, v in zip(METRICS, shared[1:].tolist())}
 
 
-def dense_figures(model: nn.Module, tokenizer, eval_ids: torch.Tensor, eval_pairs: list, window: int,
+def dense_figures(model, tokenizer, eval_ids: torch.Tensor, eval_pairs: list, window: int,
                   device: torch.device | str, *, eval_tokens: int | None = None, use_cache: bool = True,
                   progress: bool = True) -> DenseFigures:
-    """Perplexity and stereotype score of the (dense) ``model``: from the cache when an earlier
-    run measured the same weights on the same texts with the same settings, else measured (and
-    then cached by rank 0). ``use_cache`` False measures without reading or writing the cache."""
-    key = cache_key(model, tokenizer, eval_ids, eval_pairs, window, eval_tokens, device) if use_cache else None
-    return cached_figures(key, lambda: measure_lm_items(model, tokenizer, eval_ids, eval_pairs, window, device,
-                                                        progress=progress), progress)
+    """Perplexity and stereotype score of the (dense) ``model`` (an ``nn.Module`` or a block
+    model, in memory or streamed): from the cache when an earlier run measured the same weights
+    on the same texts with the same settings, else measured (and then cached by rank 0).
+    ``use_cache`` False measures without reading or writing the cache."""
+    blocks = as_blocks(model)
+    key = cache_key(blocks, tokenizer, eval_ids, eval_pairs, window, eval_tokens, device) if use_cache else None
+    how = ", streamed" if blocks.streamed else ""
+    return cached_figures(key, lambda: blocks.measure(tokenizer, eval_ids, eval_pairs, window, device, progress=progress),
+                          progress, how=how)
 
 
 def cached_figures(key: dict[str, Any] | None, measure: Callable[[], tuple[dict[str, float], LMItems]],
@@ -182,7 +196,7 @@ def cached_figures(key: dict[str, Any] | None, measure: Callable[[], tuple[dict[
     return DenseFigures(metrics, False, seconds, items)
 
 
-# -- what the LM commands print and write about their figures (in memory and streamed alike) ------
+# -- what the LM commands print and write about their figures ----------------------------------------
 def ci_text(report: dict[str, Any], figure: str, spec: str) -> str:
     """`` [lo, hi]``: the 95 % interval of a report's figure, when it has one."""
     interval = (report.get("ci") or {}).get(figure)

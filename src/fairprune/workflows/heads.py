@@ -138,7 +138,7 @@ def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output
     writes ``head_scores.csv``; later runs resume from a copy of it), one table of bias and
     perplexity in ``output``."""
     machine.apply()
-    if lm.stream:
+    if lm.stream is True:
         raise UserError("--stream true streams weight pruning (--sparsities); head pruning (--alphas) holds the model "
                         "in memory: drop --stream")
     entries = {method: registry.get(method, "heads") for method in methods}

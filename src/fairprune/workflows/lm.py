@@ -11,6 +11,11 @@ every command takes them from the project cache when an earlier run measured the
 the same texts with the same settings (:mod:`fairprune.workflows.dense`; ``--dense_cache false``
 measures again). Reports split the time into ``load``, ``prune`` and ``evaluate``.
 
+The model is opened once as a block model (:mod:`fairprune.workflows.opened`): in memory, or with
+``--stream`` read block by block from its safetensors files (``auto``: when it would not fit
+comfortably in memory). Everything after is the same pipeline for both: the dense figures and their
+cache, the run (:mod:`fairprune.workflows.lm_run`), the compare loop and its table.
+
 Each command runs under ``torchrun`` too (``@_torchrun``): the process group is made once from the
 environment when the command starts and destroyed when it ends; every rank loads the model and
 calibrates / measures on its shard (:mod:`fairprune.distributed`), rank 0 alone writes files and
@@ -29,26 +34,26 @@ import torch
 from fairprune import distributed
 from fairprune.data.pairs import LMTexts, lm_texts
 from fairprune.errors import UserError
-from fairprune.families import family_of
-from fairprune.hub import load_model, load_tokenizer, resolve_device
-from fairprune.hub.checks import check_input_model, saved_bytes
-from fairprune.hub.compressed import check_can_compress, dense_weight_bytes, weights_summary
-from fairprune.metrics.harness import TaskItems, TaskSpec, dto, task_intervals, task_paired
-from fairprune.metrics.language import LMItems, eval_ids
+from fairprune.hub import load_tokenizer
+from fairprune.memory import peak_rss_bytes
+from fairprune.metrics.harness import TaskItems, dto, task_intervals, task_paired
+from fairprune.metrics.language import LMItems
 from fairprune.metrics.lm_bootstrap import lm_intervals, lm_paired
 from fairprune.pruning import registry
-from fairprune.pruning.llm import check_pattern_fits, evaluation_facts, prune_and_measure, sparsity_by_layer
+from fairprune.pruning.blocks import zero_fraction
+from fairprune.pruning.llm import check_pattern_fits, evaluation_facts
 from fairprune.pruning.options import SolverOptions
 from fairprune.pruning.sparsity import Sparsity
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.records import LMRow
-from fairprune.reporting.runs import check_result, write_lm_run
 from fairprune.storage.folders import check_free_space
 from fairprune.storage.lock import locked
-from fairprune.workflows.dense import DenseFigures, dense_figures, finish_evaluation, pruned_line
+from fairprune.workflows.dense import DenseFigures, finish_evaluation
 from fairprune.workflows.launch import torchrun as _torchrun
+from fairprune.workflows.lm_run import prune_run
+from fairprune.workflows.opened import dense_of, memory_facts, open_blocks, stream_choice
 from fairprune.workflows.options import LMOptions, MachineOptions, model_folder
-from fairprune.workflows.tasks import attach, measure_tasks, task_specs
+from fairprune.workflows.tasks import attach, task_specs
 
 #: A pandas DataFrame. Named so, not imported, because the command-line parser resolves the
 #: annotations of a command's module by running its type-checking imports, and pandas costs an
@@ -56,64 +61,13 @@ from fairprune.workflows.tasks import attach, measure_tasks, task_specs
 Table = Any
 
 
-def _load(lm: LMOptions, calibration: bool = True) -> tuple[LMTexts, Any, Any]:
-    """The texts, the tokenizer and the model of an LM command (a model with NaN / inf weights is
-    refused here, before any work)."""
+def _open(lm: LMOptions, machine: MachineOptions, calibration: bool = True) -> tuple[LMTexts, Any, Any, bool]:
+    """The texts, the tokenizer and the model of an LM command as a block model, in memory or
+    streamed (``--stream``, decided once here: :func:`fairprune.workflows.opened.stream_choice`)."""
+    stream = stream_choice(lm, talk=machine.progress)
     texts = lm_texts(lm.calib_text if calibration else None, lm.eval_text, lm.pairs, lm.seed)
     tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
-    check_can_compress(lm.save_format)  # --save_format compressed without its package: refused before loading
-    model = load_model(lm.model, "causal-lm", lm.trust_remote_code, dtype=lm.dtype)
-    check_input_model(model, lm.model)
-    return texts, tokenizer, model
-
-
-def _dense(model, tokenizer, texts: LMTexts, lm: LMOptions, machine: MachineOptions,
-           specs: list[TaskSpec] | None = None, who: str = "dense model: ") -> tuple[torch.Tensor, DenseFigures]:
-    """The evaluation ids (tokenized once, capped) and the dense model's figures (cache or
-    measured), with its lm-eval results when ``specs`` name tasks."""
-    ids = eval_ids(texts.eval_text, tokenizer, lm.eval_tokens)
-    device = resolve_device(lm.device)
-    dense = dense_figures(model, tokenizer, ids, texts.eval_pairs, lm.window, device,
-                          eval_tokens=lm.eval_tokens, use_cache=lm.dense_cache, progress=machine.progress)
-    dense.tasks = measure_tasks(model, tokenizer, specs, lm, device, machine.progress, use_cache=lm.dense_cache, who=who)
-    return ids, dense
-
-
-def prune_loaded(model, tokenizer, method: str, sparsity: Sparsity, output: str | Path, texts, lm: LMOptions,
-                 solver: SolverOptions, config: dict[str, Any], *, ids: torch.Tensor | None = None,
-                 dense: DenseFigures | None = None, shared_dense: bool = False, machine: MachineOptions = MachineOptions(),
-                 load_seconds: float = 0.0, specs: list[TaskSpec] | None = None) -> dict[str, Any]:
-    """Prune a loaded model in place, measure it (and the dense model unless ``dense`` is given),
-    save it and its report. ``ids``: the evaluation text already tokenized. Timings: this run's
-    ``load_seconds`` and, unless ``shared_dense`` (one dense measurement serving several runs),
-    the seconds ``dense`` took count towards the run's ``evaluate`` and ``total``. ``specs``: the
-    lm-eval tasks the pruned model is scored on (against ``dense.tasks``)."""
-    start = time.perf_counter()
-    report, layers, items = prune_and_measure(
-        model, tokenizer, method, sparsity, texts, nsamples=lm.nsamples, seqlen=lm.seqlen, eval_seqlen=lm.window,
-        device=resolve_device(lm.device), seed=lm.seed, percdamp=solver.percdamp, blocksize=solver.blocksize,
-        eval_tokens=lm.eval_tokens, eval_ids=ids, dense=None if dense is None else dense.metrics,
-        dense_items=None if dense is None else dense.items, progress=machine.progress)
-    report = {"method": method, "model": lm.model, **report, "threads": torch.get_num_threads()}
-    if dense is not None:
-        report["reference"].update(from_cache=dense.from_cache, seconds=dense.seconds)
-    tasks = measure_tasks(model, tokenizer, specs, lm, resolve_device(lm.device), machine.progress, who=f"{method}: ")
-    model.to("cpu")
-    attach(report, tasks, None if dense is None else dense.tasks)
-    seconds, dense_seconds = report["seconds"], 0.0 if dense is None or shared_dense else dense.seconds
-    task_seconds = seconds.get("tasks", 0.0)  # lm-eval's pass on the pruned model (--tasks) counts as evaluation
-    report["seconds"] = {"load": load_seconds, "prune": seconds["prune"], "solve": seconds["solve"],
-                         "evaluate": seconds["evaluate"] + dense_seconds + task_seconds,
-                         "total": load_seconds + dense_seconds + time.perf_counter() - start,
-                         **({"tasks": task_seconds} if tasks is not None else {})}
-    check_result(model, output, method)  # on every rank (each holds the same model): all stop together
-    if distributed.is_main():  # torchrun: every rank holds the same model and figures; one writes
-        write_lm_run(output, model, tokenizer, report, config, layers, items, save_format=lm.save_format, nm=sparsity.nm,
-                     task_items=None if tasks is None else tasks.items)
-        print(pruned_line(method, report, output), flush=True)
-        print(f"[{method}] {weights_summary(report['weights'])}", flush=True)
-    distributed.barrier()
-    return report
+    return texts, tokenizer, open_blocks(lm, stream), stream
 
 
 def _config(lm: LMOptions, machine: MachineOptions, **fields: Any) -> dict[str, Any]:
@@ -137,23 +91,19 @@ def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm:
         machine: threads and progress bars.
     """
     start = time.perf_counter()
+    rss_start = peak_rss_bytes()
     machine.apply()
     registry.get(method, "lm")
     sparsity = Sparsity.parse(nm or sparsity)  # a bad value fails before the model loads
     specs = task_specs(lm)  # --tasks / --task_data mistakes too
-    if lm.stream:  # read and written block by block, never whole in memory
-        from fairprune.workflows.streamed import prune_lm_streamed
-
-        config = _config(lm, machine, method=method, sparsity=str(sparsity), **asdict(solver))
-        return prune_lm_streamed(method, lm, output, sparsity, solver, machine, config, start, specs)
-    texts, tokenizer, model = _load(lm)
-    check_pattern_fits(model, sparsity)  # N:M against the layer widths, before the dense model is measured
-    check_free_space(output, saved_bytes(model, tokenizer))  # a full disk is found now, not after the work
+    texts, tokenizer, blocks, _ = _open(lm, machine)
+    check_pattern_fits(blocks.model, sparsity)  # N:M against the layer widths, before the dense model is measured
+    check_free_space(output, blocks.saved_bytes(tokenizer))  # a full disk is found now, not after the work
     load_seconds = time.perf_counter() - start
-    ids, dense = _dense(model, tokenizer, texts, lm, machine, specs)
+    ids, dense = dense_of(blocks, tokenizer, texts, lm, machine, specs)
     config = _config(lm, machine, method=method, sparsity=str(sparsity), **asdict(solver))
-    return prune_loaded(model, tokenizer, method, sparsity, output, texts, lm, solver, config, ids=ids, dense=dense,
-                        machine=machine, load_seconds=load_seconds, specs=specs)
+    return prune_run(blocks, tokenizer, method, sparsity, output, texts, lm, solver, machine, config, ids=ids,
+                     dense=dense, load_seconds=load_seconds, specs=specs, rss_start=rss_start)
 
 
 @_torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
@@ -168,26 +118,24 @@ def evaluate_lm(lm: LMOptions, output: str | None = None, machine: MachineOption
         machine: threads and progress bars.
     """
     start = time.perf_counter()
+    rss_start = peak_rss_bytes()
     machine.apply()
     specs = task_specs(lm)
-    if lm.stream:  # read block by block, never whole in memory
-        from fairprune.workflows.streamed import evaluate_lm_streamed
-
-        return evaluate_lm_streamed(lm, output, machine, start, specs)
-    texts, tokenizer, model = _load(lm, calibration=False)
+    texts, tokenizer, blocks, stream = _open(lm, machine, calibration=False)
     loaded = time.perf_counter()
-    ids, figures = _dense(model, tokenizer, texts, lm, machine, specs, who="")
-    layers = sparsity_by_layer(model, family_of(model))
-    report = {"method": "evaluate", "model": lm.model, "achieved_sparsity": layers.pop("__total__"),
+    ids, figures = dense_of(blocks, tokenizer, texts, lm, machine, specs, who="")
+    memory = memory_facts(blocks, rss_start)
+    if not distributed.is_main():  # torchrun: rank 0 counts the zeros, reports and writes
+        return {}
+    report = {"method": "evaluate", "model": lm.model, "achieved_sparsity": zero_fraction(blocks),
               "metrics": figures.metrics, "from_cache": figures.from_cache,
               "evaluation": evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer),
-              "threads": torch.get_num_threads(),
+              "threads": torch.get_num_threads(), "stream": stream,
               "seconds": {"load": loaded - start, "evaluate": figures.seconds, "total": time.perf_counter() - start}}
     if figures.items is not None:
         report["ci"] = lm_intervals(figures.items)
     attach(report, figures.tasks)
-    if not distributed.is_main():
-        return report
+    report["memory"] = memory
     return finish_evaluation(report, figures, output, lm.model)
 
 
@@ -225,69 +173,41 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
                         "name one of them")
     sparsities = [Sparsity.parse(s) for s in sparsities]
     specs = task_specs(lm)
-    if lm.stream:  # every run streams the model from disk; the dense figures are measured once
-        return _compare_streamed(lm, methods, sparsities, output, solver, machine, baseline, start, specs)
-    texts, tokenizer, model = _load(lm)
+    texts, tokenizer, blocks, stream = _open(lm, machine)
     for s in sparsities:  # every N:M pattern must fit the layer widths before the first run
-        check_pattern_fits(model, s)
-    check_free_space(output, saved_bytes(model, tokenizer) * len(methods) * len(sparsities))
+        check_pattern_fits(blocks.model, s)
+    check_free_space(output, blocks.saved_bytes(tokenizer) * len(methods) * len(sparsities))
     load_seconds = time.perf_counter() - start
-    ids, dense = _dense(model, tokenizer, texts, lm, machine, specs)
-    dense_zeros = sparsity_by_layer(model, family_of(model))["__total__"]
-    rows = [LMRow.dense(dense.all_metrics(), dense_zeros, dense.seconds, dense_weight_bytes(model))]
+    ids, dense = dense_of(blocks, tokenizer, texts, lm, machine, specs)
+    dense_zeros = zero_fraction(blocks)
+    rows = [LMRow.dense(dense.all_metrics(), dense_zeros, dense.seconds, blocks.weight_bytes())]
     for method in methods:
         for s in sparsities:
             name = _cell(method, s)
             if distributed.is_main() and machine.progress:
                 print(f"[compare] {name} ...", flush=True)
             tick = time.perf_counter()
-            if model is None:  # the first run prunes the model the dense figures came from
-                model = load_model(lm.model, "causal-lm", lm.trust_remote_code, dtype=lm.dtype)
+            if blocks is None:  # the first run prunes the model the dense figures came from (in memory: in place)
+                blocks = open_blocks(lm, stream)
                 load_seconds = time.perf_counter() - tick
             config = _config(lm, machine, method=method, sparsity=str(s), **asdict(solver))
-            report = prune_loaded(model, tokenizer, method, s, Path(output) / name, texts, lm, solver, config,
-                                  ids=ids, dense=dense, shared_dense=True, machine=machine, load_seconds=load_seconds,
-                                  specs=specs)
-            model = None
-            rows.append(LMRow.from_report(report, method, str(s)))
-    if not distributed.is_main():
-        return pd.DataFrame([row.as_dict() for row in rows])
-    extra = {"evaluation": evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer)}
-    return _write_lm_comparison(rows, output, extra, methods, sparsities, baseline, dense, dense_zeros, start,
-                                "Language-model pruning comparison")
-
-
-def _compare_streamed(lm: LMOptions, methods: list[str], sparsities: list[Sparsity], output: str, solver: SolverOptions,
-                      machine: MachineOptions, baseline: str, start: float, specs: list[TaskSpec] | None = None) -> Table:
-    """``compare --stream true``: each run is a streamed prune of the model on disk (one block
-    resident) into its own folder; the dense model is measured once, streamed, and its figures
-    cached, which every run then reads (with ``--dense_cache false`` each run measures it again)."""
-    import pandas as pd
-
-    from fairprune.workflows.streamed import check_streamable, prune_lm_streamed, streamed_dense
-
-    check_streamable(lm)
-    dense, dense_zeros, dense_bytes = streamed_dense(lm, machine, sparsities, specs)
-    rows = [LMRow.dense(dense.all_metrics(), dense_zeros, dense.seconds, dense_bytes)]
-    for method in methods:
-        for s in sparsities:
-            name = _cell(method, s)
-            if distributed.is_main() and machine.progress:
-                print(f"[compare] {name} (streamed) ...", flush=True)
-            config = _config(lm, machine, method=method, sparsity=str(s), **asdict(solver))
-            report = prune_lm_streamed(method, lm, str(Path(output) / name), s, solver, machine, config, specs=specs)
+            report = prune_run(blocks, tokenizer, method, s, Path(output) / name, texts, lm, solver, machine, config,
+                               ids=ids, dense=dense, shared_dense=True, load_seconds=load_seconds, specs=specs,
+                               rss_start=peak_rss_bytes())
+            blocks = None
             if distributed.is_main():
                 rows.append(LMRow.from_report(report, method, str(s)))
     if not distributed.is_main():
         return pd.DataFrame()
-    return _write_lm_comparison(rows, output, {"stream": True}, methods, sparsities, baseline, dense, dense_zeros, start,
-                                "Language-model pruning comparison (streamed)")
+    extra = {"evaluation": evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer), "stream": stream}
+    return _write_lm_comparison(rows, output, extra, methods, sparsities, baseline, dense, dense_zeros,
+                                start, "Language-model pruning comparison" + (" (streamed)" if stream else ""))
 
 
 def _write_lm_comparison(rows: list[LMRow], output: str, extra: dict[str, Any], methods: list[str],
                          sparsities: list[Sparsity], baseline: str, dense: DenseFigures, dense_zeros: float, start: float,
                          title: str) -> Table:
-    """An LM compare's table and report (in memory and streamed alike): the dense model as the
+    """An LM compare's table and report: the dense model as the
     reference, every row's intervals and paired differences from the run folders' items, DTO
     when the rows hold its figures."""
     reference = {"method": "dense", "metrics": dense.all_metrics(), "from_cache": dense.from_cache,

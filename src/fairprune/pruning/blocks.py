@@ -1,0 +1,152 @@
+"""A causal LM as a sequence of blocks: the one interface the LM pipeline works through.
+
+Every post-training step — capturing block 0's inputs, the layer-by-layer calibration and solve,
+the perplexity and pair measurements, the dense cache's weights digest — sees a model as
+
+- ``model``: the transformers module (its parameters real, or on ``meta`` until loaded),
+  ``family`` (its row of :data:`fairprune.families.FAMILIES`) and ``blocks``;
+- :meth:`front_modules` (embeddings), the blocks, :meth:`tail_modules` (final norm, then the head);
+- :meth:`loaded`: a context in which the given parts are resident on the compute device;
+- :meth:`state_of` (a part's state-dict entries under their full names) and :meth:`tensors`
+  (every state-dict entry, for the digest);
+- :meth:`measure`: perplexity and pair outcomes of the whole model.
+
+Two kinds implement it. :class:`Resident` is a model in memory: loading a part moves it to the
+compute device and back (nothing on a CPU run). :class:`fairprune.pruning.streamed.StreamedModel`
+keeps its weights in the folder's safetensors files and reads a part only while it is loaded, so a
+model larger than memory is pruned and measured with one block resident. Which one a run uses is
+decided once, where the model is opened (:func:`fairprune.workflows.opened.open_lm`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from fairprune.families import family_of
+
+
+def device_of(module: nn.Module) -> torch.device:
+    """Where a module's first parameter (or buffer) lives; CPU for an empty one."""
+    tensor = next(module.parameters(), None)
+    if tensor is None:
+        tensor = next(module.buffers(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+class Resident:
+    """A model in memory, as blocks (see the module docstring)."""
+
+    streamed = False
+
+    def __init__(self, model: nn.Module, source: str | None = None):
+        self.model = model
+        self.family = family_of(model)
+        self.blocks = list(self.family.block_list(model))
+        self.config = model.config
+        self.source = source or getattr(model.config, "_name_or_path", "") or type(model).__name__
+        self._prefix = {id(m): name for name, m in model.named_modules()}
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def prefix(self, module: nn.Module) -> str:
+        """The state-dict prefix of a submodule (``"model.layers.3."``)."""
+        name = self._prefix[id(module)]
+        return f"{name}." if name else ""
+
+    def front_modules(self) -> list[nn.Module]:
+        return self.family.front_modules(self.model)
+
+    def tail_modules(self) -> list[nn.Module]:
+        return self.family.tail_modules(self.model)
+
+    @contextlib.contextmanager
+    def loaded(self, *modules: nn.Module, device: str | torch.device = "cpu") -> Iterator[None]:
+        """``modules`` on ``device`` for the time of the block, back where they were after it."""
+        homes = [device_of(m) for m in modules]
+        try:
+            for module in modules:
+                module.to(device)
+            yield
+        finally:
+            for module, home in zip(modules, homes):
+                module.to(home)
+
+    def state_of(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from module.state_dict(prefix=self.prefix(module)).items()
+
+    def read_output(self, name: str) -> torch.Tensor:
+        """A state-dict entry (what ``save_pretrained`` writes under ``name``)."""
+        return self.model.state_dict()[name].detach()
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights ``save_pretrained`` writes (a shared tensor once)."""
+        from fairprune.hub.compressed import dense_weight_bytes
+
+        return dense_weight_bytes(self.model)
+
+    def saved_bytes(self, tokenizer) -> int:
+        """About what the pruned model's folder takes on disk (weights and tokenizer files)."""
+        from fairprune.hub.checks import saved_bytes
+
+        return saved_bytes(self.model, tokenizer)
+
+    def writer(self, out) -> None:
+        """None: a model in memory is saved whole once pruned (:meth:`save`)."""
+        return None
+
+    def save(self, out, output, tokenizer, writer, method: str, save_format: str = "dense",
+             nm: tuple[int, int] | None = None, **_: Any) -> tuple[Resident, dict | None]:
+        """The pruned model into ``out`` (None on ranks that do not write; ``output``: the run's
+        folder, for messages), refused when not finite on every rank: this model (pruned in
+        place) and the ``weights`` facts of the files written."""
+        from fairprune.hub.compressed import save_weights
+        from fairprune.reporting.runs import check_result
+
+        check_result(self.model, output, method)
+        if out is None:
+            return self, None
+        weights = save_weights(self.model, out, save_format, nm)
+        tokenizer.save_pretrained(out)
+        return self, weights
+
+    def task_model(self, lm) -> tuple[nn.Module | None, Any]:
+        """What lm-eval runs on: the model itself (no offload)."""
+        return self.model, None
+
+    def facts(self) -> dict[str, int]:
+        """The sizes a report's ``memory`` records."""
+        return {"model_bytes": self.weight_bytes()}
+
+    def measure(self, tokenizer, ids: torch.Tensor, pairs: list, window: int, device, progress: bool = False) -> tuple[dict, Any]:
+        """:func:`fairprune.metrics.language.measure_lm_items` of the model; it ends on the CPU."""
+        from fairprune.metrics.language import measure_lm_items
+
+        try:
+            return measure_lm_items(self.model, tokenizer, ids, pairs, window, device, progress=progress)
+        finally:
+            self.model.to("cpu")
+
+
+def as_blocks(model) -> Any:
+    """``model`` as blocks: a :class:`Resident` for an ``nn.Module``, a block model as it is."""
+    return model if hasattr(model, "loaded") and hasattr(model, "blocks") else Resident(model)
+
+
+@torch.no_grad()
+def zero_fraction(blocks) -> float:
+    """The share of exact zeros in the prunable layers of every block, one block loaded at a time."""
+    zeros = total = 0
+    for block in blocks.blocks:
+        layers = list(blocks.family.block_linears(block).values())
+        with blocks.loaded(*layers):
+            for layer in layers:
+                zeros += int((layer.weight == 0).sum())
+                total += layer.weight.numel()
+    return zeros / total if total else 0.0

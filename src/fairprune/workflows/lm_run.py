@@ -1,0 +1,107 @@
+"""One post-training run of an opened LM: prune, save, measure the pruned model, write the folder.
+
+The same steps whether the model is in memory or streamed from disk (a block model,
+:mod:`fairprune.pruning.blocks`): calibration data from the run's texts; the layer-by-layer prune
+(:func:`fairprune.pruning.llm.prune_causal_lm`; a streamed model writes each solved block as it
+goes); the pruned model saved into a staging folder beside ``output`` (in memory:
+``save_pretrained`` or the compressed format; streamed: the rest of the files beside the blocks
+already written); the pruned model measured (streamed: read back from the files just written, so
+the figures are those of the folder a later ``from_pretrained`` loads) and scored by lm-eval with
+``--tasks``; the report (:func:`fairprune.pruning.llm.lm_report`), ``sparsity.csv``, the
+per-item outcomes, ``config.yaml``, the model card and ``report.json``; then the staging folder
+swapped in whole (:func:`fairprune.storage.folders.replace_folder`).
+
+Under ``torchrun`` every rank prunes and measures its share; rank 0 alone writes (a streamed run's
+other ranks measure the pruned model from the files rank 0 wrote: its staging folder, whose path
+it broadcasts, must be readable by every rank).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fairprune import distributed
+from fairprune.data.text import calibration_ids, paired_ids
+from fairprune.hub import resolve_device
+from fairprune.hub.compressed import dtype_name, megabytes, weights_summary
+from fairprune.pruning import registry
+from fairprune.pruning.llm import calibration_facts, evaluation_facts, lm_report, prune_causal_lm
+from fairprune.pruning.options import SolverOptions
+from fairprune.pruning.sparsity import Sparsity
+from fairprune.reporting.runs import RUN_FILES, write_run_files
+from fairprune.storage.folders import replace_folder
+from fairprune.workflows.dense import DenseFigures, pruned_line
+from fairprune.workflows.opened import lm_tasks, memory_facts
+from fairprune.workflows.options import LMOptions, MachineOptions
+from fairprune.workflows.tasks import attach
+
+
+def prune_run(blocks, tokenizer, method: str, sparsity: Sparsity, output: str | Path, texts, lm: LMOptions,
+              solver: SolverOptions, machine: MachineOptions, config: dict[str, Any], *, ids: torch.Tensor,
+              dense: DenseFigures, shared_dense: bool = False, load_seconds: float = 0.0, specs=None,
+              rss_start: int = 0) -> dict[str, Any]:
+    """Prune ``blocks`` (in place, or block by block into ``output``), measure, save and report
+    (see the module docstring). ``dense``: the dense model's figures, every run's reference.
+    Timings: ``load_seconds`` and, unless ``shared_dense`` (one dense measurement serving several
+    runs), the seconds ``dense`` took count towards the run's ``evaluate`` and ``total``."""
+    start = time.perf_counter()
+    entry = registry.get(method, "lm")
+    talk = machine.progress and distributed.is_main()
+    device = resolve_device(lm.device)
+    calib = calibration_ids(tokenizer, texts.calib_text, lm.nsamples, lm.seqlen, lm.seed) if entry.uses_data else None
+    pairs = paired_ids(tokenizer, texts.calib_pairs, lm.seqlen) if entry.paired else None
+    dense_seconds = 0.0 if shared_dense else dense.seconds
+    report: dict[str, Any] = {}
+
+    def write(out: Path | None) -> None:
+        """Prune, save and measure; collective under torchrun: rank 0 writes into ``out`` (the
+        staging folder), the other ranks (``out`` None) calibrate, solve and measure beside it."""
+        tick = time.perf_counter()
+        writer = blocks.writer(out)
+        try:
+            result = prune_causal_lm(blocks, method, sparsity, calib, pairs, device, solver.percdamp, solver.blocksize,
+                                     progress=talk, writer=writer)
+            pruned, weights = blocks.save(out, output, tokenizer, writer, method, save_format=lm.save_format,
+                                          nm=sparsity.nm, trust_remote_code=lm.trust_remote_code)
+        finally:
+            if writer is not None:
+                writer.abort()
+        pruned_at = time.perf_counter()
+        if talk:
+            print(f"[{method}] measuring the pruned model ...", flush=True)
+        after, items = pruned.measure(tokenizer, ids, texts.eval_pairs, lm.window, device, progress=machine.progress)
+        tasks = lm_tasks(pruned, tokenizer, specs, lm, device, machine.progress, who=f"{method}: ")
+        end = time.perf_counter()
+        memory = memory_facts(blocks, rss_start)
+        if out is None:
+            return
+        task_seconds = 0.0 if tasks is None else tasks.seconds
+        report.update(lm_report(
+            result, after, items, dense.metrics, dense.items, from_cache=dense.from_cache, model=lm.model,
+            calibration=calibration_facts(texts, lm.nsamples if calib is not None else 0, lm.seqlen, pairs is not None),
+            evaluation=evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer),
+            seconds={"load": load_seconds, "prune": pruned_at - tick, "solve": result["seconds"]["solve"],
+                     "evaluate": dense_seconds + (end - pruned_at), "total": load_seconds + dense_seconds + end - start},
+            threads=torch.get_num_threads(), stream=blocks.streamed, weights=weights, memory=memory))
+        report["reference"]["seconds"] = dense.seconds
+        attach(report, tasks, dense.tasks)
+        if tasks is not None:
+            report["seconds"]["tasks"] = task_seconds
+        write_run_files(out, report, config, result["layers"], items, None if tasks is None else tasks.items)
+
+    if not distributed.is_main():  # torchrun: this rank works beside rank 0, which writes
+        write(None)
+    else:
+        replace_folder(output, write, owned=RUN_FILES)
+        memory = report["memory"]
+        print(pruned_line(method, report, output), flush=True)
+        print(f"[{method}] {weights_summary(report['weights'])}; {'streamed' if blocks.streamed else 'in memory'} in "
+              f"{dtype_name(blocks.dtype)}, peak resident memory {megabytes(memory['peak_rss_bytes'])} "
+              f"({megabytes(memory['peak_rss_at_start_bytes'])} before loading) for a {megabytes(memory['model_bytes'])} "
+              "model", flush=True)
+    distributed.barrier()
+    return report
