@@ -6,6 +6,8 @@ from __future__ import annotations
 import base64
 import json
 import statistics
+import subprocess
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -16,6 +18,7 @@ import torch
 from fairprune.cli.prune import main as prune_main
 from fairprune.reporting.compare import aggregate, write_comparison
 from fairprune.reporting.records import LMRow, VisionRow
+from processes import clean_env
 
 ROOT = Path(__file__).resolve().parents[1]
 FAST = {"limit_train_batches": 2, "limit_val_batches": 2, "limit_test_batches": 2, "accelerator": "cpu",
@@ -109,6 +112,45 @@ def test_vision_compare_over_seeds(dense_ckpt, tmp_path, one_thread):
     for plot in ("group_accuracy.png", "error_rate_changes.png", "group_shares.png", "latency_tradeoff.png"):
         assert (out / plot).is_file(), plot
     assert_self_contained(out / "report.html", ["dense", "magnitude", "fairgrape"], images=4)
+
+
+def table_block(out: str, title: str) -> list[str]:
+    """The printed table: the lines from its title to the line that says where the files are."""
+    lines = out.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == title)
+    end = next(i for i, line in enumerate(lines) if line.startswith("[compare] written to") and i > start)
+    return lines[start:end]
+
+
+def test_the_compare_command_prints_the_headline_in_100_columns_without_library_warnings(dense_ckpt, tmp_path):
+    """``prune.py compare`` as a user runs it (its own process, as ``make demo`` does): the printed
+    table holds the headline figures within 100 columns, and no library deprecation notes."""
+    out = tmp_path / "cmp"
+    env = clean_env(OMP_NUM_THREADS="1", COLUMNS="200")  # a wide terminal: the table stays within 100
+    run = subprocess.run([sys.executable, str(ROOT / "prune.py"), "compare", "--ckpt", str(dense_ckpt),
+                          "--methods", "[magnitude, fairgrape]", "--sparsities", "[0.5]", "--pruning", json.dumps(ONE_STEP),
+                          "--trainer", json.dumps(FAST), "--output", str(out)],
+                         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    for text in ("DeprecationWarning", "FutureWarning", "LeafSpec", "deprecated"):
+        assert text not in run.stdout + run.stderr, (text, (run.stdout + run.stderr)[-3000:])
+    block = table_block(run.stdout, "Vision pruning comparison (magnitude, fairgrape)")
+    assert all(len(line) <= 100 for line in block), "\n".join(block)
+    table = pd.read_csv(out / "comparison.csv")
+    rows = {line.split("  ")[0].strip(): line for line in block}
+    for _, row in table.iterrows():
+        line = rows[row["method"]]
+        accuracy = f"{row['accuracy']:.3f} [{row['accuracy_ci_low']:.2f}, {row['accuracy_ci_high']:.2f}]"
+        worst = min((row[c], c[4:]) for c in table.columns
+                    if c.startswith("acc/") and not c.endswith(("_low", "_high")) and row[c] == row[c])
+        assert accuracy in line and f"{worst[0]:.3f} ({worst[1]})" in line and f"{row['acc_gap']:.3f}" in line, line
+    fairgrape = table.set_index("method").loc["fairgrape"]
+    assert f"{fairgrape['accuracy_diff']:+.3f} [{fairgrape['accuracy_diff_ci_low']:+.2f}," in rows["fairgrape"]
+    assert f"{fairgrape['degradation_std']:.3f}" in rows["fairgrape"]
+    heads = " ".join(block[:4])
+    for head in ("sparsity", "acc", "worst", "gap", "std", "Δ acc vs", "magnitude"):
+        assert head in heads, (head, block[:4])
+    assert "MMACs" not in "\n".join(block) and "MMACs" in (out / "comparison.md").read_text()  # the full table
 
 
 def test_one_seed_keeps_the_single_run_layout(dense_ckpt, tmp_path, one_thread):

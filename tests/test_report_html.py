@@ -37,7 +37,10 @@ addEventListener("load", () => {
     cls: t.className,
     fits: fits(t.parentElement) && t.getBoundingClientRect().right <= t.parentElement.getBoundingClientRect().right + 1,
     top: t.getBoundingClientRect().top,
-    heads: [...t.querySelectorAll("thead th")].map(th => th.innerText.replace(/\\s+/g, " ").trim()),
+    heads: [...t.querySelectorAll("thead th")].map(th => (th.innerText || th.textContent).replace(/\\s+/g, " ").trim()),
+    rights: [...t.querySelectorAll("thead th")].map(th => th.getBoundingClientRect().right),
+    box: {scroll: t.parentElement.scrollWidth, client: t.parentElement.clientWidth},
+    folded: !!t.closest("details:not([open])"),
     first: [...t.querySelectorAll("tbody tr")].map(tr => tr.cells[0].innerText.trim()),
     text: t.innerText}));
   const warning = document.querySelector(".warnings");
@@ -49,6 +52,7 @@ addEventListener("load", () => {
     data: data && {text: data.innerText, top: data.getBoundingClientRect().top},
     images: [...document.images].map(i => ({alt: i.alt, shown: i.naturalWidth > 0 && fits(i.parentElement)})),
     settings: [...document.querySelectorAll(".settings dt")].map(dt => dt.innerText.trim()),
+    notes: [...document.querySelectorAll("p.note")].map(p => p.innerText),
     pre: document.querySelectorAll("pre").length,
     injected: document.querySelectorAll("eastern").length + document.scripts.length - 1});
 });
@@ -113,18 +117,21 @@ def test_vision_report_reads_at_1280_px(tmp_path, seeds):
     assert [t["cls"] for t in seen["tables"]][:2] == ["headline", "groups"]
     headline, groups = seen["tables"][:2]
     for table in seen["tables"]:
-        assert table["fits"], f"the {table['cls']} table scrolls sideways at 1280 px: {table['heads']}"
+        assert table["fits"] or table["folded"], f"the {table['cls']} table scrolls sideways at 1280 px: {table['heads']}"
     for table in (headline, groups):
         assert table["first"] == [m for m, _ in CELLS]
-    # The headline: every figure with its interval, the paired differences, the time; no group column.
+    # The headline: accuracy with its interval, the worst group, gap, degradation std and the paired
+    # difference of accuracy; no group column, no time (those are in the full table).
     heads = " | ".join(headline["heads"])
-    for name in ("accuracy", "acc_gap", "degradation_std", "Δ accuracy vs magnitude", "Δ acc_gap vs magnitude",
-                 "Δ degradation_std vs magnitude", "seconds", "95% CI"):
+    for name in ("accuracy 95% CI", "worst group", "accuracy gap", "degradation std", "Δ accuracy vs magnitude", "paired"):
         assert name in heads, (name, heads)
-    assert not any(g in heads for g in GROUPS)
-    for lo, hi in ((0.839, 0.879), (0.104, 0.251), (0.011, 0.043)):
-        assert f"[{lo:.3f}, {hi:.3f}]" in headline["text"]
-    assert "+0.051" in headline["text"] and "[+0.020, +0.083]" in headline["text"]
+    assert not any(g in heads for g in GROUPS) and "seconds" not in heads
+    assert "[0.84, 0.88]" in headline["text"] and "+0.051 *" in headline["text"] and "[+0.02, +0.08]" in headline["text"]
+    # Every column, folded: the full table, as comparison.md has it.
+    full = next(t for t in seen["tables"] if t["cls"] == "full")
+    assert full["folded"] and {"Δ acc_gap vs magnitude", "Δ degradation_std vs magnitude", "seconds"} <= set(full["heads"])
+    # Two sparsities per method: the trade-off curve comes first.
+    assert seen["images"][0]["alt"].startswith("The trade-off curve") and (tmp_path / "accuracy_sparsity.png").is_file()
     # The per-group table: one column per group, names as text.
     assert [h for h in groups["heads"] if h not in ("method", "target_sparsity", "target sparsity")] == GROUPS
     assert seen["injected"] == 0
@@ -137,6 +144,69 @@ def test_vision_report_reads_at_1280_px(tmp_path, seeds):
     assert "8000 train" in seen["data"]["text"]
     assert {"runs", "seeds", "bn_recalibration", "reference", "seconds"} <= set(seen["settings"]) and seen["pre"] == 0
     assert seen["images"] and all(i["shown"] for i in seen["images"])
+
+
+#: The demo's groups (the bundled synthetic UTKFace) and the deploy figures a vision compare measures.
+DEMO_GROUPS = ["White", "Black", "Asian", "Indian"]
+DEPLOY = {"params (M)": 2.2, "MB": 8.9, "MMACs": 96.0, "ms/img b1 (torch)": 3.1, "ms/img b32 (torch)": 0.9,
+          "ms/img b1 (ort)": 1.2, "ms/img b32 (ort)": 0.4}
+
+
+def demo_rows(granularity: str) -> tuple[list[dict], list, list]:
+    """A ``make demo`` comparison (dense, its continued reference, magnitude and FairGRAPE at 80 %)
+    as the vision compare writes it: weight pruning keeps the dense sizes; channel pruning
+    shrinks the network, and its rows say so in a granularity column."""
+    cells = [("dense", 0.0), ("dense +1 epochs", 0.0), ("magnitude", 0.8), ("fairgrape", 0.8)]
+    rows, intervals, paired = [], [], []
+    for i, (method, sparsity) in enumerate(cells):
+        acc = 0.9 - 0.04 * i
+        row = {"method": method, **({"granularity": "" if sparsity == 0 else granularity} if granularity == "channel" else {}),
+               "target_sparsity": sparsity, "achieved_sparsity": sparsity * 0.998, "accuracy": acc}
+        row.update({f"acc/{g}": acc - 0.05 * j for j, g in enumerate(DEMO_GROUPS)})
+        row.update(acc_gap=0.15 + 0.01 * i, degradation_std=None if sparsity == 0 else 0.02 + 0.01 * i, seconds=95.5 * i)
+        shrink = 0.3 if granularity == "channel" and sparsity else 1.0
+        row.update({k: v * (shrink if k != "ms/img b1 (torch)" else 1.0) + (0.01 * i if k.startswith("ms/") else 0)
+                    for k, v in DEPLOY.items()})
+        rows.append(row)
+        key = {k: row[k] for k in ("method", "granularity", "target_sparsity") if k in row and row[k] != ""}
+        intervals.append((key, {"accuracy": [acc - 0.03, acc + 0.03], "acc_gap": [0.1, 0.2],
+                                "groups": {g: [acc - 0.05 * j - 0.04, acc - 0.05 * j + 0.04] for j, g in enumerate(DEMO_GROUPS)}}))
+        if method == "fairgrape":
+            paired.append((key, {f: {"difference": d, "ci": [d - 0.02, d + 0.02], "excludes_zero": abs(d) > 0.02}
+                                 for f, d in (("accuracy", 0.031), ("acc_gap", -0.012), ("degradation_std", -0.004))}))
+    return rows, intervals, paired
+
+
+@pytest.mark.parametrize("granularity", ["weight", "channel"])
+def test_demo_report_shows_the_paired_difference_without_scrolling_at_1280_px(tmp_path, granularity):
+    rows, intervals, paired = demo_rows(granularity)
+    keys = ["method", "granularity", "target_sparsity"] if granularity == "channel" else ["method", "target_sparsity"]
+    extra = {"runs": {"magnitude_s0.8": "/runs/demo/compare/magnitude_s0.8"}, "seeds": [0], "reference": "continued",
+             "seconds": {"total": 190.0}}
+    write_comparison(rows, tmp_path, extra, keys=keys, title="Vision pruning comparison (magnitude, fairgrape)",
+                     intervals=intervals, paired=paired, baseline="magnitude", echo=False)
+    seen = browse(tmp_path / "report.html", tmp_path)
+
+    assert seen["page_fits"]
+    headline = seen["tables"][0]
+    assert headline["cls"] == "headline" and headline["first"][:2] == ["dense", "dense +1 epochs"]
+    assert headline["box"]["scroll"] <= headline["box"]["client"], headline["box"]  # no horizontal overflow
+    paired_at = next(i for i, h in enumerate(headline["heads"]) if h.startswith("Δ accuracy vs magnitude"))
+    assert headline["rights"][paired_at] <= seen["width"], (headline["heads"], headline["rights"])
+    assert "+0.031 *" in headline["text"] and "Indian" in headline["text"]  # the worst group, named
+    assert not {"MB", "MMACs", "seconds"} & set(headline["heads"])
+    full = next(t for t in seen["tables"] if t["cls"] == "full")
+    assert full["folded"] and {"MMACs", "ms/img b32 (ort)", "seconds"} <= set(full["heads"])
+    deploy = [t for t in seen["tables"] if t["cls"] == "deploy"]
+    latency = [i for i in seen["images"] if "latency" in i["alt"]]
+    if granularity == "weight":  # every row has the dense sizes: no size table, no latency plot, one line
+        assert not deploy and not latency and not (tmp_path / "latency_tradeoff.png").exists()
+        assert any("Size, MACs and latency are left out" in n for n in seen["notes"])
+    else:
+        assert len(deploy) == 1 and deploy[0]["fits"] and {"MB", "MMACs", "ms/img b32 (ort)"} <= set(deploy[0]["heads"])
+        assert [f.split()[0] for f in deploy[0]["first"]] == ["dense", "dense", "magnitude", "fairgrape"]
+        assert latency and latency[0]["shown"]
+    assert all(i["shown"] for i in seen["images"])
 
 
 def test_lm_report_reads_at_1280_px_with_its_plot(tmp_path):

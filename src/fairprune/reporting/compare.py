@@ -16,10 +16,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fairprune.reporting.curves import plot_sparsity_curve
+from fairprune.reporting.headline import headline, rows_of_other_size
 from fairprune.reporting.html import write_html
 from fairprune.reporting.plots import plot_group_accuracy, plot_latency_tradeoff, plot_quality_bias
 from fairprune.reporting.records import Row, as_dicts
 from fairprune.reporting.report import markdown, write_json
+from fairprune.reporting.terminal import print_headline
 from fairprune.storage.atomic import write_csv, write_text
 
 if TYPE_CHECKING:
@@ -112,6 +115,12 @@ def add_intervals(table: pd.DataFrame, shown: pd.DataFrame, intervals: Sequence[
             continue
         table[f"{figure}_ci_low"], table[f"{figure}_ci_high"] = lows, highs
         shown[f"{figure} {level:.0%} CI"] = ["" if math.isnan(lo) else f"[{lo:.3f}, {hi:.3f}]" for lo, hi in zip(lows, highs)]
+    groups = _row_results(table, intervals, "groups")  # per-group accuracy intervals: numeric columns only
+    for name in dict.fromkeys(g for found in groups if isinstance(found, dict) for g in found):
+        if f"acc/{name}" in table.columns or f"acc/{name}_mean" in table.columns:
+            bounds = [found.get(name) if isinstance(found, dict) else None for found in groups]
+            for j, side in enumerate(("low", "high")):
+                table[f"acc/{name}_ci_{side}"] = [float("nan") if not b else b[j] for b in bounds]
     return table, shown
 
 
@@ -186,7 +195,9 @@ def write_comparison(rows: Sequence[Row | dict[str, Any]], output: str | os.Path
     accuracy = plot_group_accuracy(table, out / "group_accuracy.png", index=index)
     if accuracy is not None:
         plots.insert(0, (accuracy, "Accuracy per group" + (" (mean ± sd over seeds)" if repeated else "")))
-    tradeoff = plot_latency_tradeoff(table, out / "latency_tradeoff.png", index=index)  # vision rows with deploy figures
+    # Latency against accuracy where networks differ in size (at equal shapes latency differs by noise alone).
+    tradeoff = plot_latency_tradeoff(table, out / "latency_tradeoff.png", index=index) \
+        if rows_of_other_size(table, index) else None
     if tradeoff is not None:
         plots.insert(1, (tradeoff, "Accuracy and worst-group accuracy against measured CPU latency (ONNX Runtime, "
                                    "batch 32)" + (", mean ± sd over seeds" if repeated else "")))
@@ -195,14 +206,20 @@ def write_comparison(rows: Sequence[Row | dict[str, Any]], output: str | os.Path
         bias = "stereotype score (0.5: no preference)" if any(c.startswith("stereotype_score") for c in table.columns) \
             else "summed bias over the axes"
         plots.insert(0, (quality, f"Perplexity against {bias} per method and setting; the dense model is the black star"))
-    write_html(out / "report.html", title, shown, plots, extra)
+    curve = plot_sparsity_curve(table, out / "accuracy_sparsity.png", index=index)  # several sparsities: first
+    if curve is not None:
+        plots.insert(0, (curve, "The trade-off curve: accuracy and worst-group accuracy against sparsity per method"
+                                + (" (±1 sd over seeds)" if repeated and not intervals else " with 95% intervals")))
+    write_html(out / "report.html", title, shown, plots, extra, numeric=table, baseline=baseline, index=index)
     import torch  # loaded already by every compare: each comparison says how many CPU threads it ran with
 
     payload = {"comparison": rows, "threads": torch.get_num_threads(), **(extra or {})}
     if repeated:
         payload["aggregate"] = table.to_dict(orient="records")
     write_json(out / "report.json", payload)
-    if echo:
-        print("\n" + text + "\n")
+    if echo:  # the headline columns; every column is in comparison.md / .csv
+        print(flush=True)
+        print_headline(headline(table, baseline, index), title,
+                       f"The full table ({len(shown.columns)} columns): {out}/comparison.md.")
         print(f"[compare] written to {out}/comparison.csv, comparison.md, report.html and report.json", flush=True)
     return table

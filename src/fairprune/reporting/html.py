@@ -24,6 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from fairprune.reporting.headline import Cell, Column, deploy_columns, headline, rows_of_other_size
 from fairprune.storage.atomic import write_text
 
 if TYPE_CHECKING:
@@ -55,6 +56,7 @@ dl.settings dl dt { font-weight: normal; color: #555; } dl.settings dl dd { marg
 table.kv { font-size: 0.9em; } table.kv th, table.kv td { text-align: left; white-space: normal;
   overflow-wrap: anywhere; background: none; font-weight: normal; vertical-align: top; }
 table.kv th { color: #555; }
+details.full { margin: 1em 0; } details.full summary { cursor: pointer; font-weight: 600; }
 figure { margin: 1em 0; } figure img { max-width: 100%; box-sizing: border-box; border: 1px solid #eee; }
 figcaption { font-size: 0.9em; color: #555; }
 """
@@ -257,23 +259,64 @@ def figure_html(path: str | os.PathLike, caption: str) -> str:
             f"<figcaption>{alt} ({html.escape(path.name)})</figcaption></figure>")
 
 
-def _legend(columns: Sequence[str]) -> str:
+def _legend(heads: Sequence[str]) -> str:
     """One line on how to read the headline's intervals and differences, when it has any."""
     notes = []
-    if any(c.endswith("_ci_low") or _CI.match(c) for c in columns):
-        notes.append("Under a value: its confidence interval (headed “CI”).")
-    if any(c.startswith("Δ ") for c in columns):
-        notes.append("Δ: the paired difference against the baseline on the same test items, with its interval; "
-                     "<strong>*</strong> (bold): the interval excludes 0.")
+    if any("CI" in h or "± sd" in h for h in heads):
+        notes.append("Under a value: its confidence interval (headed “CI”), or ± its sd over seeds.")
+    if any(h.startswith("Δ ") or " ×" in h for h in heads):
+        notes.append("Δ (×: a ratio): the paired difference against the baseline on the same test items, with its "
+                     "interval; <strong>*</strong> (bold): the interval excludes no change.")
     return f'<p class="note">{" ".join(notes)}</p>' if notes else ""
 
 
+def headline_html(columns: Sequence[Column]) -> str:
+    """The headline table (:func:`fairprune.reporting.headline.headline`): each value with its
+    interval (or the worst group's name) beneath it; a paired difference whose interval excludes
+    no change in bold with ``*``."""
+    head = "".join(f"<th>{_label(c.title)}{f'<span class=ci>{html.escape(c.under)}</span>' if c.under else ''}</th>"
+                   for c in columns)
+    rows = []
+    for i in range(max((len(c.cells) for c in columns), default=0)):
+        cells = []
+        for column in columns:
+            cell = column.cells[i] if i < len(column.cells) else Cell()
+            value = html.escape(cell.value) + (" *" if cell.strong else "")
+            if cell.strong:
+                value = f'<span class="sig" title="the interval excludes no change">{value}</span>'
+            below = "".join(f'<span class="ci">{html.escape(b)}</span>' for b in (cell.interval, cell.note) if b)
+            cells.append(f"<td>{value}{below}</td>")
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    return (f'<div class="scroll"><table class="headline"><thead><tr>{head}</tr></thead>'
+            f'<tbody>{"".join(rows)}</tbody></table></div>')
+
+
+def deploy_html(numeric: pd.DataFrame, index: str = "method") -> str:
+    """Size, MACs and latency in a table of their own, for the dense rows and the rows whose
+    network differs in size from the dense model's (channel pruning, compressed formats); where
+    none does (weight pruning keeps the shapes) one line says so. Empty without deploy figures."""
+    figures = deploy_columns(numeric)
+    if not figures:
+        return ""
+    other = rows_of_other_size(numeric, index)
+    if not other:
+        return ('<p class="note">Size, MACs and latency are left out: every row has the dense model\'s shapes '
+                "(weight pruning stores the zeros), so its figures are the dense model's (the full table lists them).</p>")
+    keys = [c for c in numeric.columns if c in (index, *KEYS, "granularity")]
+    dense = [i for i, v in enumerate(numeric[index]) if str(v).startswith("dense")] if index in numeric.columns else []
+    rows = numeric.iloc[sorted(set(dense) | set(other))]
+    return "<h2>Size and speed</h2>" + table_html(rows[keys + figures], "deploy")
+
+
 def write_html(path: str | os.PathLike, title: str, table: pd.DataFrame,
-               figures: Sequence[tuple[str | os.PathLike, str]] = (), extra: dict[str, Any] | None = None) -> Path:
+               figures: Sequence[tuple[str | os.PathLike, str]] = (), extra: dict[str, Any] | None = None,
+               numeric: pd.DataFrame | None = None, baseline: str = "", index: str = "method") -> Path:
     """Write the page: ``title``; ``extra``'s ``warnings`` and ``data`` (samples kept and left
-    out) first; ``table`` as a headline table and, when it has ``acc/<group>`` columns, a
-    per-group table (:func:`split_columns`); every ``(png, caption)`` figure that exists; and the
-    rest of ``extra`` (the comparison's other fields, e.g. run folders and seconds) as settings."""
+    out) first; the headline table (:func:`headline_html`, from ``numeric``, the comparison's
+    numeric table, default ``table``), the per-group table when ``table`` has ``acc/<group>``
+    columns (:func:`split_columns`), size and speed (:func:`deploy_html`); every ``(png,
+    caption)`` figure that exists; ``table`` whole, folded; and the rest of ``extra`` (the
+    comparison's other fields, e.g. run folders and seconds) as settings."""
     extra = dict(extra or {})
     warnings, data = extra.pop("warnings", None), extra.get("data")
     notices = [warnings_html(warnings), data_html(data)]
@@ -281,20 +324,26 @@ def write_html(path: str | os.PathLike, title: str, table: pd.DataFrame,
         extra.pop("data", None)
     table = table.copy()
     table.columns = [str(c) for c in table.columns]
-    headline, groups = split_columns(table.columns)
+    numeric = table if numeric is None else numeric
+    columns = headline(numeric, baseline, index)
+    _, groups = split_columns(table.columns)
     parts = [f"<h1>{html.escape(title)}</h1>",
              f'<p class="note">Written {_dt.datetime.now().isoformat(timespec="seconds")} in '
              f"<code>{html.escape(str(Path(path).parent))}</code>.</p>",
-             *filter(None, notices), "<h2>Results</h2>", _legend(headline), table_html(table[headline], "headline")]
+             *filter(None, notices), "<h2>Results</h2>", _legend([c.title for c in columns] + [c.under for c in columns]),
+             headline_html(columns)]
     if groups:
         names = {c: c[len(GROUP_PREFIX):] for c in groups if c.startswith(GROUP_PREFIX)}
         parts += ["<h2>Accuracy per group</h2>", table_html(table[groups], "groups", names)]
+    parts.append(deploy_html(numeric, index))
     shown = [figure_html(p, c) for p, c in figures]
     if any(shown):
         parts += ["<h2>Plots</h2>", *filter(None, shown)]
+    parts.append(f'<details class="full"><summary>The full table ({len(table.columns)} columns, as in comparison.md)'
+                 f"</summary>{table_html(table, 'full')}</details>")
     if extra:
         parts += ["<h2>Settings</h2>", settings_html(extra)]
     page = ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
             f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head>\n<body>\n"
-            + "\n".join(parts) + "\n</body></html>\n")
+            + "\n".join(filter(None, parts)) + "\n</body></html>\n")
     return write_text(path, page)

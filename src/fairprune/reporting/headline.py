@@ -1,0 +1,246 @@
+"""The headline of a comparison: the few columns methods are compared by, chosen from the
+comparison's numeric table, for the printed table (:mod:`~fairprune.reporting.terminal`) and the
+first table of ``report.html``. Every other column stays in ``comparison.csv`` / ``.md``.
+
+- A vision (or Diff-Pruning) comparison: method, sparsity, accuracy with its interval, the worst
+  group's accuracy (and which group), the accuracy gap, the degradation std and the paired
+  difference of accuracy against the baseline with its interval.
+- An LM (weights or heads) comparison: method, sparsity (or α), perplexity with its interval, the
+  stereotype score (or the summed toxicity bias), up to three task figures (DTO, BBQ abstention,
+  MMLU, ... when the rows have them) and the perplexity ratio against the baseline with its
+  interval (else the paired difference of the stereotype score).
+
+The columns are read by name from the table :func:`~fairprune.reporting.compare.write_comparison`
+writes (plain figures, or ``<figure>_mean`` / ``_sd`` over seeds, ``<figure>_ci_low`` / ``_ci_high``
+and ``<figure>_diff`` / ``_diff_ci_low`` / ``_diff_ci_high``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+#: Task figures a headline shows, in this order (the first three the rows have), with short names.
+TASKS = {"dto": "DTO", "bbq_ambig_letter/accuracy_amb": "BBQ abstain", "bbq_ambig/accuracy_amb": "BBQ abstain",
+         "mmlu/acc": "MMLU", "hellaswag/acc_norm": "HellaSwag", "bbq_ambig_letter/amb_bias_score": "BBQ bias",
+         "bbq_ambig/amb_bias_score": "BBQ bias", "crows_pairs_english/pct_stereotype": "CrowS %stereo"}
+#: The columns that tell rows apart as a setting, the first the table has (shown as "sparsity" / "α").
+SETTINGS = (("target_sparsity", "sparsity"), ("sparsity", "sparsity"), ("alpha", "α"))
+#: The most task figures a headline shows.
+MAX_TASKS = 3
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One value as shown: ``value``, its ``interval`` (``[0.80, 0.87]``), a ``note`` (which
+    group), and ``strong`` when a paired interval excludes no change (printed with ``*``)."""
+
+    value: str = ""
+    interval: str = ""
+    note: str = ""
+    strong: bool = False
+
+    def text(self) -> str:
+        """One line: ``0.836 [0.80, 0.87]``, ``+0.051 [+0.02, +0.08] *``, ``0.712 (Indian)``."""
+        parts = [self.value, self.interval, f"({self.note})" if self.note else "", "*" if self.strong else ""]
+        return " ".join(p for p in parts if p)
+
+    def lines(self) -> list[str]:
+        """Two lines where there is an interval: the value (and ``*``), the interval under it."""
+        if not self.interval:
+            return [self.text()]
+        return [" ".join(p for p in (self.value, f"({self.note})" if self.note else "", "*" if self.strong else "") if p),
+                self.interval]
+
+
+@dataclass(frozen=True)
+class Column:
+    """A headline column: ``head`` (short, for the terminal), ``title`` and ``under`` (the page's
+    header and the note beneath it), whether it holds numbers (right-aligned) and its cells."""
+
+    key: str
+    head: str
+    title: str
+    cells: list[Cell] = field(default_factory=list)
+    under: str = ""
+    numeric: bool = True
+
+
+def _series(table: pd.DataFrame, name: str) -> pd.Series | None:
+    """A figure's values, plain or their means over seeds, as floats; None when absent."""
+    import pandas as pd
+
+    for column in (name, f"{name}_mean"):
+        if column in table.columns:
+            return pd.to_numeric(table[column], errors="coerce")
+    return None
+
+
+def _missing(value: Any) -> bool:
+    return value is None or (isinstance(value, float) and math.isnan(value))
+
+
+def _number(value: float, digits: int = 3) -> str:
+    """A figure with ``digits`` decimals below 10 and one fewer per further digit before the point
+    (perplexities run to thousands): ``0.836``, ``31.20``, ``468.0``, ``1234``."""
+    whole = len(str(int(abs(value)))) if math.isfinite(value) else 1
+    return f"{value:.{max(0, digits - whole + 1)}f}"
+
+
+def _figure(table: pd.DataFrame, name: str, head: str, title: str, interval: bool = True) -> Column | None:
+    """A figure's column: value, and its interval (two decimals) or, over seeds, ``± sd``."""
+    values = _series(table, name)
+    if values is None or values.isna().all():
+        return None
+    low, high = _series(table, f"{name}_ci_low"), _series(table, f"{name}_ci_high")
+    sd = table[f"{name}_sd"] if f"{name}_sd" in table.columns else None
+    cells = []
+    for i, value in enumerate(values):
+        if _missing(value):
+            cells.append(Cell())
+            continue
+        span = ""
+        if interval and low is not None and high is not None and not (_missing(low.iloc[i]) or _missing(high.iloc[i])):
+            span = f"[{_number(low.iloc[i], 2)}, {_number(high.iloc[i], 2)}]"
+        elif interval and sd is not None and not _missing(sd.iloc[i]):
+            span = f"± {_number(float(sd.iloc[i]), 3)}"
+        cells.append(Cell(_number(float(value)), span))
+    under = "95% CI" if interval and low is not None else ("± sd" if interval and sd is not None else "")
+    return Column(name, head, title, cells, under)
+
+
+def _worst_group(table: pd.DataFrame) -> Column | None:
+    """The lowest group accuracy of each row, with the group's name."""
+    groups = [c for c in table.columns if c.startswith("acc/") and not c.endswith(("_sd", "_ci_low", "_ci_high"))]
+    groups = [c for c in groups if c.endswith("_mean")] or groups
+    if not groups:
+        return None
+    cells = []
+    for _, row in table[groups].apply(lambda s: s.astype(float)).iterrows():
+        present = row.dropna()
+        if present.empty:
+            cells.append(Cell())
+            continue
+        name = present.idxmin()
+        cells.append(Cell(_number(float(present[name])), note=name.removeprefix("acc/").removesuffix("_mean")))
+    return Column("worst_group", "worst group", "worst group", cells, "accuracy (group)")
+
+
+def _paired(table: pd.DataFrame, figure: str, baseline: str, head: str) -> Column | None:
+    """The paired difference of ``figure`` against the baseline (a ratio for ``*_ratio``)."""
+    if f"{figure}_diff" not in table.columns:
+        return None
+    ratio = figure.endswith("_ratio")
+    cells = []
+    for diff, low, high in zip(*(_floats(table[f"{figure}_{s}"]) for s in ("diff", "diff_ci_low", "diff_ci_high"))):
+        if _missing(diff):
+            cells.append(Cell())
+        elif ratio:
+            cells.append(Cell(f"×{diff:.3f}", f"[×{low:.2f}, ×{high:.2f}]", strong=bool(low > 1 or high < 1)))
+        else:
+            cells.append(Cell(f"{diff:+.3f}", f"[{low:+.2f}, {high:+.2f}]", strong=bool(low > 0 or high < 0)))
+    against = f" vs {baseline}" if baseline else ""
+    title = f"{figure.removesuffix('_ratio')} ×{against}" if ratio else f"Δ {figure}{against}"
+    return Column(f"{figure}_diff", f"{head}{against}", title, cells, "paired, 95% CI")
+
+
+def _floats(values: pd.Series) -> list[float]:
+    """The values as floats (NaN where missing)."""
+    import pandas as pd
+
+    return [float(v) for v in pd.to_numeric(values, errors="coerce")]
+
+
+def _keys(table: pd.DataFrame, index: str) -> list[Column]:
+    """The row's name (with its granularity, where the comparison has one) and its setting."""
+    columns = []
+    if index in table.columns:
+        names = [str(v) for v in table[index]]
+        if "granularity" in table.columns:
+            names = [f"{n} ({g})" if isinstance(g, str) and g else n for n, g in zip(names, table["granularity"])]
+        columns.append(Column(index, index, index, [Cell(n) for n in names], numeric=False))
+    for name, head in SETTINGS:
+        if name in table.columns:
+            cells = [Cell() if _missing(v) else Cell(f"{v:g}" if isinstance(v, (int, float)) else str(v)) for v in table[name]]
+            columns.append(Column(name, head, head, cells))
+            break
+    return columns
+
+
+def _tasks(table: pd.DataFrame) -> list[Column]:
+    """Up to :data:`MAX_TASKS` task figures: those of :data:`TASKS` first, then any other."""
+    shown: list[Column] = []
+    heads: set[str] = set()
+    others = [c for c in table.columns if "/" in c and not c.startswith(("acc/", "bias/", DEPLOY_PREFIX)) and not c.endswith(
+        ("_sd", "_ci_low", "_ci_high", "_diff", "_diff_ci_low", "_diff_ci_high"))]
+    for name in [*TASKS, *others]:
+        name = name.removesuffix("_mean")
+        head = TASKS.get(name, name)
+        if len(shown) == MAX_TASKS or head in heads:
+            continue
+        column = _figure(table, name, head, head, interval=False)
+        if column is not None:
+            shown.append(column)
+            heads.add(head)
+    return shown
+
+
+def headline(table: pd.DataFrame, baseline: str = "", index: str = "method") -> list[Column]:
+    """The headline columns of a comparison's numeric table (see the module's docstring)."""
+    columns = _keys(table, index)
+    if _series(table, "perplexity") is not None:  # a language-model comparison
+        bias = [c for c in table.columns if c.startswith("bias/") and not c.endswith(("_sd", "_ci_low", "_ci_high"))]
+        figures = [_figure(table, "perplexity", "ppl [95% CI]", "perplexity"),
+                   _figure(table, "stereotype_score", "stereo", "stereotype score", interval=False)]
+        if bias and figures[1] is None:
+            total = table[bias].apply(lambda s: s.astype(float)).sum(axis=1, min_count=1)
+            figures[1] = _figure(table.assign(bias_total=total), "bias_total", "bias Σ", "bias (summed)", interval=False)
+        figures += _tasks(table)
+        figures.append(_paired(table, "perplexity_ratio", baseline, "ppl ×")
+                       or _paired(table, "stereotype_score", baseline, "Δ stereo"))
+    elif _series(table, "accuracy") is not None:  # a vision or Diff-Pruning comparison
+        figures = [_figure(table, "accuracy", "acc [95% CI]", "accuracy"), _worst_group(table),
+                   _figure(table, "acc_gap", "gap", "accuracy gap", interval=False),
+                   _figure(table, "degradation_std", "deg. std", "degradation std", interval=False),
+                   _paired(table, "accuracy", baseline, "Δ acc")]
+    else:  # anything else: its first few numeric figures
+        import pandas as pd
+
+        numeric = [c for c in table.columns if c not in {k.key for k in columns} and pd.api.types.is_numeric_dtype(table[c])]
+        figures = [_figure(table, c, c, c, interval=False) for c in numeric[:5]]
+    return columns + [c for c in figures if c is not None]
+
+
+#: Columns of deploy figures: the network's size (these decide whether rows differ) and its speed.
+SIZES = ("params (M)", "MB", "MMACs", "weights_mb")
+DEPLOY_PREFIX = "ms/img"
+
+
+def deploy_columns(table: pd.DataFrame) -> list[str]:
+    """The table's deploy columns (size, MACs, latency; means over seeds where aggregated)."""
+    names = [c for c in table.columns if c.removesuffix("_mean") in SIZES or c.startswith(DEPLOY_PREFIX)]
+    return [c for c in names if not c.endswith(("_sd", "_ci_low", "_ci_high"))]
+
+
+def rows_of_other_size(table: pd.DataFrame, index: str = "method") -> list[int]:
+    """The positions of the rows whose network size (parameters, file, MACs) differs from the
+    dense model's (the ``dense`` row, else the first): channel pruning and compressed formats.
+    Weight pruning keeps the dense shapes (zeros are stored), so its rows have the dense figures
+    and none is listed; latency alone (timing noise at equal shapes) does not count."""
+    sizes = [c for c in table.columns if c.removesuffix("_mean") in SIZES and not c.endswith("_sd")]
+    if not sizes or table.empty:
+        return []
+    values = table[sizes].apply(lambda s: s.astype(float))
+    dense = [i for i, v in enumerate(table[index]) if v == "dense"] if index in table.columns else []
+    reference = values.iloc[dense[0] if dense else 0]
+    out = []
+    for i in range(len(table)):
+        row = values.iloc[i]
+        if any(not (_missing(a) or _missing(b)) and not math.isclose(a, b, rel_tol=1e-6, abs_tol=1e-9)
+               for a, b in zip(row, reference)):
+            out.append(i)
+    return out

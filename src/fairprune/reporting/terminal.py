@@ -1,0 +1,93 @@
+"""The table a ``compare`` prints: the headline columns (:mod:`~fairprune.reporting.headline`)
+drawn by ``rich`` within the terminal's width, at most :data:`WIDTH` columns, and a line saying
+where the full table is. Values and names are shown as text (no markup is read from them)."""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from collections.abc import Sequence
+from typing import TextIO
+
+from fairprune.reporting.headline import Cell, Column
+
+#: The widest the printed table gets, whatever the terminal's width.
+WIDTH = 100
+#: The width a name (the row's, the worst group's) keeps before it folds or is cut.
+NAME_WIDTH = 16
+
+
+def width() -> int:
+    """The terminal's width (``COLUMNS`` where set; :data:`WIDTH` when not a terminal), at most
+    :data:`WIDTH`."""
+    return min(shutil.get_terminal_size((WIDTH, 24)).columns, WIDTH)
+
+
+def widths(columns: Sequence[Column], room: int) -> list[int]:
+    """Each column's width within ``room``: as wide as its header and cells where they fit; else,
+    in turn, headers wrap at their spaces, names (the first column, the worst group) fold or are
+    cut down to :data:`NAME_WIDTH`, intervals go under their values, names shrink to a few
+    characters. A number never wraps."""
+    names = [i for i, c in enumerate(columns) if i == 0 or c.key == "worst_group"]
+    words = [max(map(len, c.head.split()), default=0) for c in columns]
+    cells = [max((len(cell.text()) for cell in c.cells), default=0) for c in columns]
+    stacked = [max((len(line) for cell in c.cells for line in cell.lines()), default=0) for c in columns]
+    natural = [max(len(c.head), n) for c, n in zip(columns, cells)]
+    floors = [max(w, n) for w, n in zip(words, cells)]
+    named = [max(w, min(n, NAME_WIDTH)) if i in names else f for i, (w, n, f) in enumerate(zip(words, cells, floors))]
+    under = [n if i in names else max(w, s) for i, (w, s, n) in enumerate(zip(words, stacked, named))]
+    least = [max(w, min(6, n)) if i in names else n for i, (w, n) in enumerate(zip(words, under))]
+    sizes = list(natural)
+    for lowest in (floors, named, under, least):
+        for i in sorted(range(len(sizes)), key=lambda i: lowest[i] - sizes[i]):
+            excess = sum(sizes) - room
+            if excess <= 0:
+                return sizes
+            sizes[i] -= min(excess, max(0, sizes[i] - lowest[i]))
+    return sizes
+
+
+def _cell(cell: Cell, size: int) -> str:
+    """A cell's text on one line where it fits ``size``, else its interval on a line of its own."""
+    text = cell.text()
+    return text if len(text) <= size else "\n".join(cell.lines())
+
+
+def _legend(columns: Sequence[Column]) -> str:
+    keys = {c.key for c in columns}
+    notes = []
+    if any(c.under == "95% CI" for c in columns):
+        notes.append("[ ]: 95% CI")
+    if "worst_group" in keys:
+        notes.append("worst group: its accuracy (its name)")
+    if "acc_gap" in keys:
+        notes.append("gap: best − worst group accuracy")
+    if "degradation_std" in keys:
+        notes.append("deg. std: spread of the groups' accuracy drops")
+    if any(c.key.endswith("_diff") for c in columns):
+        notes.append("Δ / ×: paired against the baseline on the same test items, * where the interval excludes no change")
+    return "; ".join(notes) + "." if notes else ""
+
+
+def print_headline(columns: Sequence[Column], title: str = "", footer: str = "", file: TextIO | None = None) -> None:
+    """Print ``columns`` as a table that fits :func:`width` (numbers are never wrapped; a long
+    name or header wraps), then a legend and ``footer``."""
+    from rich import box
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    console = Console(file=file or sys.stdout, width=width(), highlight=False, emoji=False, markup=False,
+                      soft_wrap=False)
+    table = Table(title=Text(title, style="bold") if title else None, box=box.SIMPLE_HEAD, pad_edge=False,
+                  padding=(0, 1, 0, 0), show_edge=False)
+    sizes = widths(columns, width() - 2 * (len(columns) - 1))
+    for column, size in zip(columns, sizes):
+        table.add_column(Text(column.head), justify="right" if column.numeric else "left", width=size,
+                         overflow="ellipsis" if column.key == "worst_group" else "fold")
+    for i in range(max((len(c.cells) for c in columns), default=0)):
+        table.add_row(*(Text(_cell(c.cells[i], size) if i < len(c.cells) else "") for c, size in zip(columns, sizes)))
+    console.print(table)
+    for line in (_legend(columns), footer):
+        if line:
+            console.print(Text(line))
