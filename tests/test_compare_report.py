@@ -17,6 +17,7 @@ import torch
 
 from fairprune.cli.prune import main as prune_main
 from fairprune.reporting.compare import aggregate, write_comparison
+from fairprune.reporting.headline import number
 from fairprune.reporting.records import LMRow, VisionRow
 from processes import clean_env
 
@@ -109,9 +110,11 @@ def test_vision_compare_over_seeds(dense_ckpt, tmp_path, one_thread):
     assert "±" in (out / "comparison.md").read_text()
     saved = json.loads((out / "report.json").read_text())
     assert saved["seeds"] == [0, 1] and saved["dense_per_seed"] is True and saved["bn_recalibration"] == 2
-    for plot in ("group_accuracy.png", "error_rate_changes.png", "group_shares.png", "latency_tradeoff.png"):
+    for plot in ("group_accuracy.png", "error_rate_changes.png", "group_shares.png"):
         assert (out / plot).is_file(), plot
-    assert_self_contained(out / "report.html", ["dense", "magnitude", "fairgrape"], images=4)
+    # Weight pruning keeps the dense shapes: latency differs by noise alone, so no latency plot.
+    assert "MMACs_mean" in table.columns and not (out / "latency_tradeoff.png").exists()
+    assert_self_contained(out / "report.html", ["dense", "magnitude", "fairgrape"], images=3)
 
 
 def table_block(out: str, title: str) -> list[str]:
@@ -143,7 +146,7 @@ def test_the_compare_command_prints_the_headline_in_100_columns_without_library_
         accuracy = f"{row['accuracy']:.3f} [{row['accuracy_ci_low']:.2f}, {row['accuracy_ci_high']:.2f}]"
         worst = min((row[c], c[4:]) for c in table.columns
                     if c.startswith("acc/") and not c.endswith(("_low", "_high")) and row[c] == row[c])
-        assert accuracy in line and f"{worst[0]:.3f} ({worst[1]})" in line and f"{row['acc_gap']:.3f}" in line, line
+        assert accuracy in line and f"{worst[0]:.3f} {worst[1]}" in line and f"{row['acc_gap']:.3f}" in line, line
     fairgrape = table.set_index("method").loc["fairgrape"]
     assert f"{fairgrape['accuracy_diff']:+.3f} [{fairgrape['accuracy_diff_ci_low']:+.2f}," in rows["fairgrape"]
     assert f"{fairgrape['degradation_std']:.3f}" in rows["fairgrape"]
@@ -175,7 +178,7 @@ def test_one_seed_keeps_the_single_run_layout(dense_ckpt, tmp_path, one_thread):
     assert_self_contained(tmp_path / "report.html", ["dense", "magnitude"], images=2)
 
 
-def test_lm_compare_writes_a_self_contained_page(tmp_path):
+def test_lm_compare_writes_a_self_contained_page(tmp_path, capsys):
     from fairprune.cli.train import main as train_main
 
     gpt2 = '{"model_type": "gpt2", "n_layer": 2, "n_head": 2, "n_embd": 32, "n_positions": 64}'
@@ -205,16 +208,27 @@ def test_lm_compare_writes_a_self_contained_page(tmp_path):
     expected = [float("nan") if wanda[c] is None else wanda[c] for c in figures]
     assert table.iloc[2][figures].tolist() == pytest.approx(expected, nan_ok=True)
     assert_self_contained(out / "report.html", ["dense", "magnitude", "wanda"], images=0)
+    # The printed table: the LM headline (perplexity with its interval, stereotype score, the perplexity
+    # ratio against the baseline) within 100 columns.
+    block = table_block(capsys.readouterr().out, "Language-model pruning comparison")
+    assert all(len(line) <= 100 for line in block), "\n".join(block)
+    printed = "\n".join(block)
+    for _, row in table.iterrows():
+        assert f"{number(row['perplexity'])} [{number(row['perplexity_ci_low'], 2)}, " in printed, (row, printed)
+        assert f"{row['stereotype_score']:.3f}" in printed, (row, printed)
+    assert "ppl × vs " in printed and f"×{table.iloc[2]['perplexity_ratio_diff']:.3f}" in printed
 
 
 def test_latency_tradeoff_plot_reads_the_deploy_columns(tmp_path):
-    """With measured latency the comparison plots accuracy and the worst group (the lowest group
-    accuracy of each row) against it, error bars over seeds; without latency there is no such plot."""
+    """With measured latency of networks of different sizes (channel pruning) the comparison plots
+    accuracy and the worst group (the lowest group accuracy of each row) against it, error bars over
+    seeds; without latency, or where every network has the dense size, there is no such plot."""
     from fairprune.reporting.plots import latency_tradeoff_figure
 
     rows = [{"method": m, "seed": seed, "accuracy": acc + 0.01 * seed, "acc/A": a, "acc/B": b + 0.02 * seed,
-             "ms/img b32 (ort)": ms * (1 + 0.1 * seed)}
-            for seed in (0, 1) for m, acc, a, b, ms in (("dense", 0.9, 0.95, 0.85, 0.4), ("fairgrape", 0.88, 0.8, 0.9, 0.2))]
+             "MB": mb, "ms/img b32 (ort)": ms * (1 + 0.1 * seed)}
+            for seed in (0, 1) for m, acc, a, b, ms, mb in (("dense", 0.9, 0.95, 0.85, 0.4, 8.9),
+                                                            ("fairgrape", 0.88, 0.8, 0.9, 0.2, 2.7))]
     write_comparison(rows, tmp_path, echo=False)
     assert (tmp_path / "latency_tradeoff.png").is_file()
     table = pd.read_csv(tmp_path / "comparison.csv")
@@ -223,6 +237,8 @@ def test_latency_tradeoff_plot_reads_the_deploy_columns(tmp_path):
     assert worst == ["dense: worst group (B)", "fairgrape: worst group (A)"]  # B is dense's lowest, A fairgrape's
     write_comparison([{k: v for k, v in r.items() if not k.startswith("ms/")} for r in rows], tmp_path / "plain", echo=False)
     assert not (tmp_path / "plain" / "latency_tradeoff.png").exists()
+    write_comparison([{**r, "MB": 8.9} for r in rows], tmp_path / "same_size", echo=False)
+    assert not (tmp_path / "same_size" / "latency_tradeoff.png").exists()
 
 
 def test_a_page_with_an_external_reference_fails_the_check(tmp_path):

@@ -3,11 +3,12 @@
 1. Trains a half-width MobileNet-V2 on the bundled synthetic faces (generated on first use in the
    UTKFace layout and read by the real UTKFace reader): gender, measured per race group.
 2. Prunes the dense checkpoint to 80 % with magnitude (WS) and with FairGRAPE, retraining between
-   steps, and prints one comparison table: the dense model and its compute-matched reference
-   (trained on as long as the schedule retrains), each method's overall and per-group test
-   accuracy with 95 % intervals, accuracy gap, degradation std, the paired difference against
-   magnitude, size and latency. The dense model's test figures are its row of that table (one
-   test pass serves both; ``train.py test`` gives them alone).
+   steps, and prints the comparison's headline within 100 columns: the dense model and its
+   compute-matched reference (trained on as long as the schedule retrains), each method's test
+   accuracy with its 95 % interval, worst-group accuracy, accuracy gap, degradation std and the
+   paired difference against magnitude. The full table (per-group accuracies, size and latency,
+   every interval) is in ``comparison.md`` and ``report.html``. The dense model's test figures are
+   its row of that table (one test pass serves both; ``train.py test`` gives them alone).
 
 Everything lands in ``runs/demo/`` (``dense/`` and ``compare/``).
 """
@@ -35,8 +36,8 @@ def main() -> int:
         status = step()
         if status:
             return status
-    print(f"[demo] done in {time.perf_counter() - start:.0f} s; table: runs/demo/compare/comparison.md, "
-          f"plots: runs/demo/compare/*.png")
+    print(f"[demo] done in {time.perf_counter() - start:.0f} s; page: runs/demo/compare/report.html, "
+          f"full table: runs/demo/compare/comparison.md")
     return 0
 
 

@@ -45,15 +45,15 @@ class Cell:
     strong: bool = False
 
     def text(self) -> str:
-        """One line: ``0.836 [0.80, 0.87]``, ``+0.051 [+0.02, +0.08] *``, ``0.712 (Indian)``."""
-        parts = [self.value, self.interval, f"({self.note})" if self.note else "", "*" if self.strong else ""]
+        """One line: ``0.836 [0.80, 0.87]``, ``+0.051 [+0.02, +0.08] *``, ``0.712 Indian``."""
+        parts = [self.value, self.interval, self.note, "*" if self.strong else ""]
         return " ".join(p for p in parts if p)
 
     def lines(self) -> list[str]:
         """Two lines where there is an interval: the value (and ``*``), the interval under it."""
         if not self.interval:
             return [self.text()]
-        return [" ".join(p for p in (self.value, f"({self.note})" if self.note else "", "*" if self.strong else "") if p),
+        return [" ".join(p for p in (self.value, self.note, "*" if self.strong else "") if p),
                 self.interval]
 
 
@@ -84,7 +84,7 @@ def _missing(value: Any) -> bool:
     return value is None or (isinstance(value, float) and math.isnan(value))
 
 
-def _number(value: float, digits: int = 3) -> str:
+def number(value: float, digits: int = 3) -> str:
     """A figure with ``digits`` decimals below 10 and one fewer per further digit before the point
     (perplexities run to thousands): ``0.836``, ``31.20``, ``468.0``, ``1234``."""
     whole = len(str(int(abs(value)))) if math.isfinite(value) else 1
@@ -105,10 +105,10 @@ def _figure(table: pd.DataFrame, name: str, head: str, title: str, interval: boo
             continue
         span = ""
         if interval and low is not None and high is not None and not (_missing(low.iloc[i]) or _missing(high.iloc[i])):
-            span = f"[{_number(low.iloc[i], 2)}, {_number(high.iloc[i], 2)}]"
+            span = f"[{number(low.iloc[i], 2)}, {number(high.iloc[i], 2)}]"
         elif interval and sd is not None and not _missing(sd.iloc[i]):
-            span = f"± {_number(float(sd.iloc[i]), 3)}"
-        cells.append(Cell(_number(float(value)), span))
+            span = f"± {number(float(sd.iloc[i]), 3)}"
+        cells.append(Cell(number(float(value)), span))
     under = "95% CI" if interval and low is not None else ("± sd" if interval and sd is not None else "")
     return Column(name, head, title, cells, under)
 
@@ -126,7 +126,7 @@ def _worst_group(table: pd.DataFrame) -> Column | None:
             cells.append(Cell())
             continue
         name = present.idxmin()
-        cells.append(Cell(_number(float(present[name])), note=name.removeprefix("acc/").removesuffix("_mean")))
+        cells.append(Cell(number(float(present[name])), note=name.removeprefix("acc/").removesuffix("_mean")))
     return Column("worst_group", "worst group", "worst group", cells, "accuracy (group)")
 
 

@@ -182,7 +182,7 @@ def group_accuracy_figure(table: pd.DataFrame, index: str = "method"):
     """The figure of :func:`plot_group_accuracy`, or None without per-group accuracy."""
     import numpy as np
 
-    means = [c for c in table.columns if c.startswith("acc/") and not c.endswith("_sd")]
+    means = [c for c in table.columns if c.startswith("acc/") and not c.endswith(("_sd", "_ci_low", "_ci_high"))]
     means = [c for c in means if c.endswith("_mean")] or [c for c in means if not c.endswith("_mean")]
     if not means or table.empty:
         return None
@@ -232,7 +232,7 @@ def latency_tradeoff_figure(table: pd.DataFrame, index: str = "method", latency:
     import numpy as np
 
     x, accuracy = _column(table, latency), _column(table, "accuracy")
-    groups = [c for c in table.columns if c.startswith("acc/") and not c.endswith("_sd")]
+    groups = [c for c in table.columns if c.startswith("acc/") and not c.endswith(("_sd", "_ci_low", "_ci_high"))]
     groups = [c for c in groups if c.endswith("_mean")] or groups
     if x is None or accuracy is None or x.isna().all() or not groups:
         return None

@@ -59,7 +59,7 @@ def _legend(columns: Sequence[Column]) -> str:
     if any(c.under == "95% CI" for c in columns):
         notes.append("[ ]: 95% CI")
     if "worst_group" in keys:
-        notes.append("worst group: its accuracy (its name)")
+        notes.append("worst group: the lowest group accuracy, and its group")
     if "acc_gap" in keys:
         notes.append("gap: best − worst group accuracy")
     if "degradation_std" in keys:
