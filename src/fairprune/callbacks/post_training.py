@@ -16,6 +16,7 @@ The options are the commands' own types, with their names and defaults: ``calibr
 from __future__ import annotations
 
 import copy
+from dataclasses import asdict
 from typing import Any
 
 import lightning as L
@@ -25,14 +26,16 @@ from fairprune.callbacks.report import run_dir
 from fairprune.data.pairs import LMTexts, read_pairs, split_pairs
 from fairprune.data.text import stereo_pairs
 from fairprune.errors import UserError
-from fairprune.hub import resolve_device
 from fairprune.hub.checks import check_input_model, saved_bytes
 from fairprune.pruning import registry
-from fairprune.pruning.llm import prune_and_measure
+from fairprune.pruning.blocks import Resident
 from fairprune.pruning.options import CalibrationOptions, HeadOptions, SolverOptions
 from fairprune.pruning.sparsity import Sparsity
-from fairprune.reporting.runs import write_head_run, write_lm_run
+from fairprune.reporting.runs import write_head_run
 from fairprune.storage.folders import check_free_space
+from fairprune.workflows.lm_run import prune_run
+from fairprune.workflows.opened import dense_of
+from fairprune.workflows.options import LMOptions, MachineOptions
 
 
 class PostTrainingPruning(L.Callback):
@@ -79,8 +82,6 @@ class PostTrainingPruning(L.Callback):
                 self._prune_weights(trainer, pl_module)
 
     def _config(self) -> dict[str, Any]:
-        from dataclasses import asdict
-
         return {"method": self.method, "sparsity": None if self.sparsity is None else str(self.sparsity),
                 "save_format": self.save_format,
                 "calibration": asdict(self.calibration), "solver": asdict(self.solver), "heads": asdict(self.heads)}
@@ -101,16 +102,14 @@ class PostTrainingPruning(L.Callback):
         out = run_dir(trainer) / f"pruned-{self.method}"
         model = self._checked_copy(trainer, pl_module, out)
         texts = LMTexts(train_text, val_text, calib_pairs, eval_pairs)
-        report, layers, items = prune_and_measure(
-            model, pl_module.tokenizer, self.method, self.sparsity, texts, nsamples=c.nsamples, seqlen=c.seqlen,
-            eval_seqlen=c.window, device=resolve_device(c.device), percdamp=self.solver.percdamp,
-            blocksize=self.solver.blocksize, seed=c.seed, eval_tokens=c.eval_tokens,
-            progress=trainer.progress_bar_callback is not None)
-        self.report = {"method": self.method, "model": str(run_dir(trainer) / "model"), **report}
-        write_lm_run(out, model, pl_module.tokenizer, self.report, self._config(), layers, items,
-                     save_format=self.save_format, nm=self.sparsity.nm)
-        print(f"[{self.method}] perplexity {report['reference']['metrics']['perplexity']:.2f} → "
-              f"{report['metrics']['perplexity']:.2f}; written to {out}", flush=True)
+        # The commands' own run (in memory): the dense model measured, pruned, saved, measured again, reported.
+        lm = LMOptions(model=str(run_dir(trainer) / "model"), **asdict(c), save_format=self.save_format,
+                       dense_cache=False, stream=False)
+        machine = MachineOptions(quiet=trainer.progress_bar_callback is None)
+        blocks = Resident(model, source=lm.model)
+        ids, dense = dense_of(blocks, pl_module.tokenizer, texts, lm, machine)
+        self.report = prune_run(blocks, pl_module.tokenizer, self.method, self.sparsity, out, texts, lm, self.solver,
+                                machine, self._config(), ids=ids, dense=dense)
 
     def _prune_heads(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from fairprune.data.prompts import read_prompts

@@ -38,22 +38,16 @@ def device_of(module: nn.Module) -> torch.device:
     return tensor.device if tensor is not None else torch.device("cpu")
 
 
-class Resident:
-    """A model in memory, as blocks (see the module docstring)."""
+class BlockModel:
+    """What both kinds share: the model's parts by the family table, and their state-dict names."""
 
     streamed = False
 
-    def __init__(self, model: nn.Module, source: str | None = None):
-        self.model = model
+    def __init__(self, model: nn.Module, source: str):
+        self.model, self.config, self.source = model, model.config, source
         self.family = family_of(model)
         self.blocks = list(self.family.block_list(model))
-        self.config = model.config
-        self.source = source or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self._prefix = {id(m): name for name, m in model.named_modules()}
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return next(self.model.parameters()).dtype
 
     def prefix(self, module: nn.Module) -> str:
         """The state-dict prefix of a submodule (``"model.layers.3."``)."""
@@ -61,10 +55,27 @@ class Resident:
         return f"{name}." if name else ""
 
     def front_modules(self) -> list[nn.Module]:
+        """The modules that run before block 0."""
         return self.family.front_modules(self.model)
 
     def tail_modules(self) -> list[nn.Module]:
+        """The modules that run after the last block, the head last."""
         return self.family.tail_modules(self.model)
+
+    def state_of(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """The (loaded) state-dict entries of ``module`` under their full names."""
+        yield from module.state_dict(prefix=self.prefix(module)).items()
+
+
+class Resident(BlockModel):
+    """A model in memory, as blocks (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, source: str | None = None):
+        super().__init__(model, source or getattr(model.config, "_name_or_path", "") or type(model).__name__)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
 
     @contextlib.contextmanager
     def loaded(self, *modules: nn.Module, device: str | torch.device = "cpu") -> Iterator[None]:
@@ -77,9 +88,6 @@ class Resident:
         finally:
             for module, home in zip(modules, homes):
                 module.to(home)
-
-    def state_of(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        yield from module.state_dict(prefix=self.prefix(module)).items()
 
     def read_output(self, name: str) -> torch.Tensor:
         """A state-dict entry (what ``save_pretrained`` writes under ``name``)."""
@@ -134,9 +142,9 @@ class Resident:
             self.model.to("cpu")
 
 
-def as_blocks(model) -> Any:
+def as_blocks(model) -> BlockModel:
     """``model`` as blocks: a :class:`Resident` for an ``nn.Module``, a block model as it is."""
-    return model if hasattr(model, "loaded") and hasattr(model, "blocks") else Resident(model)
+    return model if isinstance(model, BlockModel) else Resident(model)
 
 
 @torch.no_grad()

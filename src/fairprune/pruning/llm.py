@@ -23,12 +23,11 @@ from torch import nn
 
 from fairprune import distributed
 from fairprune.data.pairs import LMTexts
-from fairprune.data.text import calibration_ids, document_start, paired_ids
+from fairprune.data.text import document_start
 from fairprune.errors import UserError
 from fairprune.families import Family, family_of, linear_weight, set_linear_weight
 from fairprune.hub.checks import nonfinite
-from fairprune.metrics.language import LMItems, measure_lm_items
-from fairprune.metrics.language import eval_ids as tokenize_eval
+from fairprune.metrics.language import LMItems
 from fairprune.metrics.lm_bootstrap import lm_intervals, lm_paired
 from fairprune.pruning import registry
 from fairprune.pruning.blocks import as_blocks
@@ -37,56 +36,6 @@ from fairprune.pruning.masks import Target, achieved_sparsity, sparsity_table
 from fairprune.pruning.registry import Method
 from fairprune.pruning.select import magnitude, n_m, top_k
 from fairprune.pruning.sparsity import Sparsity
-
-
-def prune_and_measure(model: nn.Module, tokenizer, method: str, sparsity: Sparsity, texts: LMTexts, *,
-                      nsamples: int = 128, seqlen: int = 128, eval_seqlen: int | None = None,
-                      device: torch.device | str = "cpu", percdamp: float = 0.01, blocksize: int = 128,
-                      seed: int = 0, eval_tokens: int | None = None, eval_ids: torch.Tensor | None = None,
-                      dense: dict[str, float] | None = None, dense_items: LMItems | None = None,
-                      progress: bool = True) -> tuple[dict, dict[str, float], LMItems]:
-    """Measure, prune in place, measure again: the report of one post-training run (no files), the
-    per-layer sparsity and the pruned model's per-item outcomes. The model ends on the CPU.
-
-    The report holds ``ci`` (95 % intervals: perplexity over windows, stereotype score over pairs:
-    :func:`~fairprune.metrics.lm_bootstrap.lm_intervals`), the dense model's under
-    ``reference.ci``, and ``paired``: the pruned model against the dense one on the same
-    windows and pairs (:func:`~fairprune.metrics.lm_bootstrap.lm_paired`), when the dense items
-    are at hand (measured here, or given as ``dense_items``).
-
-    Perplexity is measured on the first ``eval_tokens`` tokens of ``texts.eval_text`` (all by
-    default), or on ``eval_ids`` when the caller tokenized it already. ``dense``: the dense model's
-    figures when the caller has them (measured once for several runs, or cached); the dense model
-    is then not measured here. ``progress``: progress bars and lines (main rank only).
-    """
-    entry = registry.get(method, "lm")
-    check_pattern_fits(model, sparsity)  # unknown families and N:M patterns the widths do not allow fail here
-    eval_seqlen = eval_seqlen or seqlen
-    start = time.perf_counter()
-    talk = progress and distributed.is_main()
-    ids = tokenize_eval(texts.eval_text, tokenizer, eval_tokens) if eval_ids is None else eval_ids
-    before, before_items = dense, dense_items
-    if before is None:
-        if talk:
-            print(f"[{method}] measuring the dense model ...", flush=True)
-        before, before_items = measure_lm_items(model, tokenizer, ids, texts.eval_pairs, eval_seqlen, device, progress=progress)
-    measured = time.perf_counter()
-    calib = calibration_ids(tokenizer, texts.calib_text, nsamples, seqlen, seed) if entry.uses_data else None
-    pairs = paired_ids(tokenizer, texts.calib_pairs, seqlen) if entry.paired else None
-    model.to("cpu")
-    result = prune_causal_lm(model, method, sparsity, calib, pairs, device, percdamp, blocksize, progress=talk)
-    pruned = time.perf_counter()
-    if talk:
-        print(f"[{method}] measuring the pruned model ...", flush=True)
-    after, items = measure_lm_items(model, tokenizer, ids, texts.eval_pairs, eval_seqlen, device, progress=progress)
-    model.to("cpu")
-    end = time.perf_counter()
-    report = lm_report(result, after, items, before, before_items,
-                       calibration=calibration_facts(texts, nsamples if calib is not None else 0, seqlen, pairs is not None),
-                       evaluation=evaluation_facts(ids, eval_seqlen, eval_tokens, texts.eval_pairs, tokenizer),
-                       seconds={"prune": pruned - measured, "solve": result["seconds"]["solve"],
-                                "evaluate": (measured - start) + (end - pruned), "total": end - start})
-    return report, result["layers"], items
 
 
 def lm_report(result: dict, after: dict[str, float], items: LMItems, before: dict[str, float],

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +37,10 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fairprune.errors import UserError
-from fairprune.families import family_of
 from fairprune.hub.checks import nonfinite
 from fairprune.hub.shards import ShardReader, refuse_nonfloat
 from fairprune.memory import trim_heap
+from fairprune.pruning.blocks import BlockModel
 from fairprune.pruning.calibration import CalibInput, capture_block_inputs, run_block
 
 
@@ -51,9 +50,8 @@ def _split(module: nn.Module, name: str) -> tuple[nn.Module, str]:
     return (module.get_submodule(path) if path else module), leaf
 
 
-class StreamedModel:
-    """A causal LM whose weights stay in its folder's safetensors files (see the module docstring);
-    a block model (:mod:`fairprune.pruning.blocks`) like :class:`~fairprune.pruning.blocks.Resident`.
+class StreamedModel(BlockModel):
+    """A causal LM whose weights stay in its folder's safetensors files (see the module docstring).
 
     ``dtype``: what parameters are loaded as (None: float32); ``device``: where blocks run."""
 
@@ -65,7 +63,7 @@ class StreamedModel:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.folder = Path(folder)
-        self.source = source or str(folder)  # the name the user gave, for messages
+        source = source or str(folder)  # the name the user gave, for messages
         self.reader = ShardReader(self.folder)
         self.dtype = dtype or torch.float32
         try:
@@ -74,17 +72,13 @@ class StreamedModel:
                 model = AutoModelForCausalLM.from_config(config, dtype=self.dtype, trust_remote_code=trust_remote_code)
         except (OSError, ValueError, KeyError) as err:
             hint = " (set --trust_remote_code true only if you trust it)" if "trust_remote_code" in str(err) else ""
-            raise UserError(f"cannot build the model of '{self.source}'{hint}: {' '.join(str(err).split())[:200]}") from None
+            raise UserError(f"cannot build the model of '{source}'{hint}: {' '.join(str(err).split())[:200]}") from None
         model.tie_weights()  # empty-weight construction leaves tied weights as two parameters
         model.eval().requires_grad_(False)
-        self.model = model
-        self.config = model.config
-        self.family = family_of(model)
+        super().__init__(model, source)
         if not self.family.tail:
             raise UserError(f"--stream true reads causal LMs block by block; the {self.family.name} family has no "
                             "causal head: run it in memory (--stream false)")
-        self.blocks = list(self.family.block_list(model))
-        self._prefix = {id(m): name for name, m in model.named_modules()}
         groups: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             groups.setdefault(id(p), []).append(name)
@@ -103,12 +97,6 @@ class StreamedModel:
         weights = [self.key(self.prefix(layer) + "weight") for block in self.blocks
                    for layer in self.family.block_linears(block).values()]
         refuse_nonfloat({key: self.reader.stored_dtype(key) for key in weights}, self.source)
-
-    # -- names ------------------------------------------------------------------------------------
-    def prefix(self, module: nn.Module) -> str:
-        """The state-dict prefix of a submodule (``"model.layers.3."``)."""
-        name = self._prefix[id(module)]
-        return f"{name}." if name else ""
 
     def key(self, name: str) -> str:
         """The checkpoint's name for the model's parameter or buffer ``name``: the same name, a
@@ -205,14 +193,14 @@ class StreamedModel:
         (:func:`fairprune.workflows.tasks.offloaded`), at most four of its largest parts in memory."""
         from fairprune.workflows.tasks import offloaded
 
-        return None, offloaded(self.folder, lm, 4 * stream_facts(self).largest_part_bytes)
+        return None, offloaded(self.folder, lm, 4 * self.facts()["largest_part_bytes"])
 
     def facts(self) -> dict[str, int]:
         """The sizes a report's ``memory`` records: the model's, its largest block's and the largest
         part resident at once."""
-        found = stream_facts(self)
-        return {"largest_block_bytes": found.largest_block_bytes, "largest_part_bytes": found.largest_part_bytes,
-                "model_bytes": self.weight_bytes()}
+        block = max(self.nbytes(b) for b in self.blocks)
+        parts = [self.nbytes(*self.front_modules()), self.nbytes(*self.tail_modules()[:-1]), self.nbytes(self.tail_modules()[-1])]
+        return {"largest_block_bytes": block, "largest_part_bytes": max(block, *parts), "model_bytes": self.weight_bytes()}
 
     def write_model_files(self, out: Path) -> None:
         """``config.json`` (the run's dtype) and ``generation_config.json`` beside the weights, as
@@ -244,14 +232,6 @@ class StreamedModel:
                     total += p.numel() * p.element_size()
         return total
 
-    def front_modules(self) -> list[nn.Module]:
-        """The modules that run before block 0."""
-        return self.family.front_modules(self.model)
-
-    def tail_modules(self) -> list[nn.Module]:
-        """The modules that run after the last block, the head last."""
-        return self.family.tail_modules(self.model)
-
     @contextlib.contextmanager
     def loaded(self, *modules: nn.Module, device: str | torch.device = "cpu") -> Iterator[None]:
         """Load the parameters of ``modules`` from the checkpoint (in the model's dtype, on
@@ -280,10 +260,6 @@ class StreamedModel:
                 owner._parameters[leaf] = param
             restore.clear()
             trim_heap()
-
-    def state_of(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-        """The loaded state-dict entries of ``module`` under their full names."""
-        yield from module.state_dict(prefix=self.prefix(module)).items()
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every state-dict entry by name, read tensor by tensor as ``from_pretrained`` would load
@@ -325,19 +301,3 @@ class StreamedModel:
         head = self.model.get_output_embeddings()
         with self.loaded(head, device=device):
             yield head
-
-
-@dataclass
-class StreamFacts:
-    """What a streamed pass held: the largest block's parameter bytes and the largest part
-    (front, block or tail) resident at once."""
-
-    largest_block_bytes: int
-    largest_part_bytes: int
-
-
-def stream_facts(sm: StreamedModel) -> StreamFacts:
-    """Bytes of the largest block and of the largest part loaded at once."""
-    blocks = max(sm.nbytes(b) for b in sm.blocks)
-    parts = [sm.nbytes(*sm.front_modules()), sm.nbytes(*sm.tail_modules()[:-1]), sm.nbytes(sm.tail_modules()[-1])]
-    return StreamFacts(blocks, max(blocks, *parts))

@@ -50,29 +50,10 @@ def check_result(model, output: str | os.PathLike, method: str | None = None) ->
                         "calibration set)")
 
 
-def write_lm_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any], config: dict[str, Any],
-                 layers: dict[str, float] | None = None, items: Any = None, save_format: str = "dense",
-                 nm: tuple[int, int] | None = None, task_items: Any = None) -> Path:
-    """A pruned LM's folder: the transformers model and tokenizer (``save_pretrained``: the
-    folder itself loads with ``from_pretrained``; ``save_format`` compressed: compressed-tensors'
-    sparse layouts, ``nm`` the N:M pattern pruned to, see :mod:`fairprune.hub.compressed`; the
-    report's ``weights`` says how many bytes the weights take), ``sparsity.csv`` (per layer, when given),
-    ``eval_items.npz`` (the per-window and per-pair outcomes, an :class:`~fairprune.metrics.language.LMItems`,
-    when given: later paired comparisons read them), ``task_items.json`` (lm-eval's per-sample
-    outcomes, a :class:`~fairprune.metrics.harness.TaskItems`, when ``--tasks`` ran), ``config.yaml`` and, last, ``report.json``
-    (with ``threads`` added when the caller left it out). The previous run of ``output`` is
-    replaced as a whole, once this one is complete."""
-    def extra(folder: Path) -> None:
-        for found in (items, task_items):
-            if found is not None:
-                found.save(folder)
-
-    return _write_run(output, model, tokenizer, report, config, layers, extra=extra, save_format=save_format, nm=nm)
-
-
 def _write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any], config: dict[str, Any],
                layers: dict[str, float] | None = None, extra: Callable[[Path], Any] | None = None,
-               keep: tuple[str, ...] = (), save_format: str | None = None, nm: tuple[int, int] | None = None) -> Path:
+               keep: tuple[str, ...] = (), save_format: str | None = None, nm: tuple[int, int] | None = None,
+               items: tuple[Any, Any] = (None, None)) -> Path:
     """Write the run into a staging folder beside ``output`` and swap it in whole (``keep``: files
     of ``output`` that stay); ``extra(folder)`` writes more files first. ``save_format`` (dense or
     compressed) adds the report's ``weights`` block; None: ``save_pretrained`` alone."""
@@ -89,7 +70,7 @@ def _write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, An
 
             report["weights"] = save_weights(model, out, save_format, nm)
         tokenizer.save_pretrained(out)
-        write_run_files(out, report, config, layers)
+        write_run_files(out, report, config, layers, *items)
 
     return replace_folder(output, write, keep=keep, owned=RUN_FILES)
 

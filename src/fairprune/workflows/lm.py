@@ -64,7 +64,7 @@ Table = Any
 def _open(lm: LMOptions, machine: MachineOptions, calibration: bool = True) -> tuple[LMTexts, Any, Any, bool]:
     """The texts, the tokenizer and the model of an LM command as a block model, in memory or
     streamed (``--stream``, decided once here: :func:`fairprune.workflows.opened.stream_choice`)."""
-    stream = stream_choice(lm, talk=machine.progress)
+    stream = stream_choice(lm)  # one line, --quiet or not: which way the run goes
     texts = lm_texts(lm.calib_text if calibration else None, lm.eval_text, lm.pairs, lm.seed)
     tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
     return texts, tokenizer, open_blocks(lm, stream), stream
