@@ -110,7 +110,7 @@ def _figure(table: pd.DataFrame, name: str, head: str, title: str, interval: boo
             span = f"± {number(float(sd.iloc[i]), 3)}"
         cells.append(Cell(number(float(value)), span))
     under = "95% CI" if interval and low is not None else ("± sd" if interval and sd is not None else "")
-    return Column(name, head, title, cells, under)
+    return Column(name, f"{head} [{under}]" if under == "95% CI" else f"{head} {under}".strip(), title, cells, under)
 
 
 def _worst_group(table: pd.DataFrame) -> Column | None:
@@ -194,7 +194,7 @@ def headline(table: pd.DataFrame, baseline: str = "", index: str = "method") -> 
     columns = _keys(table, index)
     if _series(table, "perplexity") is not None:  # a language-model comparison
         bias = [c for c in table.columns if c.startswith("bias/") and not c.endswith(("_sd", "_ci_low", "_ci_high"))]
-        figures = [_figure(table, "perplexity", "ppl [95% CI]", "perplexity"),
+        figures = [_figure(table, "perplexity", "ppl", "perplexity"),
                    _figure(table, "stereotype_score", "stereo", "stereotype score", interval=False)]
         if bias and figures[1] is None:
             total = table[bias].apply(lambda s: s.astype(float)).sum(axis=1, min_count=1)
@@ -203,7 +203,7 @@ def headline(table: pd.DataFrame, baseline: str = "", index: str = "method") -> 
         figures.append(_paired(table, "perplexity_ratio", baseline, "ppl ×")
                        or _paired(table, "stereotype_score", baseline, "Δ stereo"))
     elif _series(table, "accuracy") is not None:  # a vision or Diff-Pruning comparison
-        figures = [_figure(table, "accuracy", "acc [95% CI]", "accuracy"), _worst_group(table),
+        figures = [_figure(table, "accuracy", "acc", "accuracy"), _worst_group(table),
                    _figure(table, "acc_gap", "gap", "accuracy gap", interval=False),
                    _figure(table, "degradation_std", "deg. std", "degradation std", interval=False),
                    _paired(table, "accuracy", baseline, "Δ acc")]

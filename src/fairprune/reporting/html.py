@@ -1,9 +1,12 @@
 """``report.html``: a comparison as one self-contained page that opens offline.
 
-The page holds, in reading order: warnings and what the data readers left out, a headline table
-(each figure with its confidence interval in the same cell, the paired differences, the time), the
-per-group accuracies in a table of their own, the plots (each PNG embedded as a base64 ``data:``
-URI) and the settings as a definition list. Styles are inline. It loads nothing: no scripts, no
+The page holds, in reading order: warnings and what the data readers left out, the headline table
+(the columns of :mod:`~fairprune.reporting.headline`, each value with its confidence interval
+beneath it, the paired difference against the baseline included; it fits a 1280 px window), the
+per-group accuracies in a table of their own, size and speed where networks differ in size from the
+dense model (else one line saying why they are left out), the plots (each PNG embedded as a base64
+``data:`` URI; a compare over several sparsities has its trade-off curve first), the full table
+folded in a ``<details>``, and the settings as a definition list. Styles are inline. It loads nothing: no scripts, no
 style sheets, no fonts, no remote images. Every name and value is escaped: group names, methods and
 folders come from data and the command line.
 
