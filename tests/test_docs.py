@@ -61,8 +61,9 @@ def _commands() -> list[tuple[str, str, str, list[str]]]:
 
 
 def _make_uses() -> list[tuple[str, str]]:
+    """(page, target) of every ``make <target>`` in the pages' code, shell comments left out."""
     return [(str(page.relative_to(ROOT)), target) for page in PAGES for code in _snippets(page.read_text())
-            for target in MAKE.findall(code)]
+            for target in MAKE.findall(re.sub(r"(^|\s)#.*", "", code))]
 
 
 @cache
