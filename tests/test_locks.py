@@ -226,10 +226,14 @@ def test_ranks_of_one_torchrun_launch_follow_the_one_that_locked(tmp_path, monke
     from fairprune.storage import lock as lock_module
 
     monkeypatch.setattr(lock_module, "_launched_by", None, raising=False)  # following is for the rest of a process: undo it
+    for name in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_USE_AGENT_STORE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-7")
+    launch = lock_module.launch_id()
+    assert launch == "torchelastic:run-7@:"  # no rendezvous store to draw a token from: the run id and address alone
     sibling = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
     try:
-        holder = {"pid_start": start_time(sibling.pid), "boot_id": boot_id(), "argv": sys.argv[1:],
-                  "launch": "torchelastic:run-7"}
+        holder = {"pid_start": start_time(sibling.pid), "boot_id": boot_id(), "argv": sys.argv[1:], "launch": launch}
         monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-8")  # another launch of the same command: refused
         with pytest.raises(UserError, match=f"in use by another run \\(pid {sibling.pid}"):
             RunLock(write_lock(tmp_path / "run", sibling.pid, **holder).parent).acquire()

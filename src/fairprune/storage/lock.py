@@ -19,9 +19,15 @@ switch the lock off):
 - before any group exists, a process running the same command as the lock's live holder is a
   rank of the holder's run when the holder is its ancestor (Lightning's DDP launcher runs the
   command again in a child) or when both were started by one launch of torchrun or of a SLURM
-  step with several tasks (the same ``TORCHELASTIC_RUN_ID``, or ``SLURM_JOB_ID.SLURM_STEP_ID``,
-  recorded in the lock with the command's arguments: an id of one launch, which a second command
-  does not share): it takes no lock, in this folder or any other, for as long as it runs.
+  step with several tasks (recorded in the lock with the command's arguments: an id of one launch,
+  which a second launch does not share): it takes no lock, in this folder or any other, for as long
+  as it runs. A torchrun launch is told by its own rendezvous, never by what two launches share
+  (``TORCHELASTIC_RUN_ID`` is ``none`` for every launch without ``--rdzv-id``): the store's
+  address and a token the first of its ranks draws and the others read from the store; a SLURM
+  step by ``SLURM_JOB_ID.SLURM_STEP_ID``;
+- the rank 0 of a process group never follows another holder (the ranks of its run are its
+  group's): a live lock of the same command is another run, and the whole group fails with its
+  one line.
 """
 
 from __future__ import annotations
@@ -60,6 +66,35 @@ def _other_rank() -> bool:
     return distributed.world()[0] != 0
 
 
+def _in_group() -> bool:
+    """A ``torch.distributed`` group of more than one process exists (checked without importing torch)."""
+    if "torch.distributed" not in sys.modules:
+        return False
+    from fairprune import distributed
+
+    return distributed.world()[1] > 1
+
+
+def _agreed(take: Callable[[], None]) -> None:
+    """``take()`` (the locks of one command), its refusal shared by every rank of a process group:
+    rank 0 takes the locks and sends its error's message, or none, to the others (collective: every
+    rank calls it), so every rank of a refused run ends with the same one line instead of waiting
+    for a rank 0 that has gone. Alone, ``take()``."""
+    if not _in_group():
+        take()
+        return
+    from fairprune import distributed
+
+    error = None
+    try:
+        take()
+    except UserError as err:
+        error = str(err)
+    error = distributed.broadcast_text(error)
+    if error is not None:
+        raise UserError(error)
+
+
 def _stat(pid: int) -> list[str] | None:
     """Fields 3 on of ``/proc/<pid>/stat`` (after the command name, which may hold spaces and
     parentheses), or None where there is no such file."""
@@ -90,12 +125,43 @@ def boot_id() -> str | None:
         return None
 
 
+_TOKEN_KEY = "fairprune/launch-token"
+_launch_tokens: dict[tuple[str, str], str | None] = {}  # by store address: the token of this process's launch, once read
+
+
+def _rendezvous_token() -> str | None:
+    """A token of this torchrun launch alone: the first of its ranks to ask draws it and sets it in
+    the launch's own store (torchrun's agent store, at ``MASTER_ADDR:MASTER_PORT``), the others read
+    it there. None where there is no such store to ask."""
+    addr, port = os.environ.get("MASTER_ADDR", ""), os.environ.get("MASTER_PORT", "")
+    if (addr, port) in _launch_tokens:
+        return _launch_tokens[addr, port]
+    token = None
+    if addr and port.isdigit() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        import datetime
+
+        import torch.distributed as dist
+
+        try:
+            store = dist.TCPStore(addr, int(port), is_master=False, timeout=datetime.timedelta(seconds=30))
+            token = store.compare_set(_TOKEN_KEY, "", uuid.uuid4().hex).decode()  # the first token set wins
+        except Exception:  # noqa: BLE001 - no store to ask: the launch is told by its address alone
+            token = None
+    _launch_tokens[addr, port] = token
+    return token
+
+
 def launch_id() -> str | None:
     """The id of the launch that started this process with others (torchrun, a SLURM step of
-    several tasks); None for a process started alone."""
+    several tasks); None for a process started alone. A torchrun launch's id comes from its own
+    rendezvous (the store's address and the token :func:`_rendezvous_token` agreed on), never from
+    what two launches of one command share alone (``TORCHELASTIC_RUN_ID`` is ``none`` for both
+    where no ``--rdzv-id`` was given)."""
     run = os.environ.get("TORCHELASTIC_RUN_ID")
     if run:
-        return f"torchelastic:{run}"
+        where = f"{os.environ.get('MASTER_ADDR', '')}:{os.environ.get('MASTER_PORT', '')}"
+        token = _rendezvous_token()
+        return f"torchelastic:{run}@{where}" + (f"#{token}" if token else "")
     job, step, tasks = (os.environ.get(name) for name in ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_NTASKS"))
     if job and step and (tasks or "").isdigit() and int(tasks) > 1:
         return f"slurm:{job}.{step}"
@@ -222,8 +288,9 @@ class RunLock:
         """The (live, not reused) holder and this process run the same command as ranks of one
         run, not as two runs: one launch started both (any host), or the holder started this
         process. An ancestor must have recorded its start time where the system tells it, so an
-        old lock of an ancestor is never followed."""
-        if holder.get("argv") != sys.argv[1:]:
+        old lock of an ancestor is never followed. The rank 0 of a process group follows no one:
+        its run's ranks are its group's, so a holder is another run."""
+        if holder.get("argv") != sys.argv[1:] or _in_group():
             return False
         launch = launch_id()
         if launch is not None and holder.get("launch") == launch:
@@ -364,8 +431,12 @@ def locked(folder: Callable[..., Folders], reads: Callable[..., Folders] | None 
                 check_apart(paths, _paths(reads(**bound.arguments)))
             check_writable(paths[0])  # an unwritable folder fails here, before any work, with one line
             with contextlib.ExitStack() as locks:
-                for path in dict.fromkeys(paths):  # a folder named twice is one folder
-                    locks.enter_context(RunLock(path))
+
+                def take() -> None:
+                    for path in dict.fromkeys(paths):  # a folder named twice is one folder
+                        locks.enter_context(RunLock(path))
+
+                _agreed(take)
                 return function(*args, **kwargs)
 
         return run  # type: ignore[return-value]
