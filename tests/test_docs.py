@@ -141,6 +141,12 @@ def test_every_make_target_the_pages_name_exists():
     assert not missing, "\n".join(missing)
 
 
+def test_every_file_the_readme_links_exists():
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", (ROOT / "README.md").read_text())
+    local = [link for link in links if "://" not in link]
+    assert local and not [link for link in local if not (ROOT / link).exists()]
+
+
 def test_every_snippet_the_docs_include_exists():
     included = [m for page in PAGES for m in re.findall(r'^--8<-- "([^":]+)', page.read_text(), re.M)]
     assert included and all((ROOT / path).is_file() for path in included), included
