@@ -265,8 +265,10 @@ def figure_html(path: str | os.PathLike, caption: str) -> str:
 def _legend(heads: Sequence[str]) -> str:
     """One line on how to read the headline's intervals and differences, when it has any."""
     notes = []
-    if any("CI" in h or "± sd" in h for h in heads):
-        notes.append("Under a value: its confidence interval (headed “CI”), or ± its sd over seeds.")
+    if any("CI" in h for h in heads):
+        notes.append("Under a value: its confidence interval (headed “CI”).")
+    if any("± sd" in h for h in heads):
+        notes.append("± sd: the standard deviation over seeds.")
     if any(h.startswith("Δ ") or " ×" in h for h in heads):
         notes.append("Δ (×: a ratio): the paired difference against the baseline on the same test items, with its "
                      "interval; <strong>*</strong> (bold): the interval excludes no change.")
