@@ -19,7 +19,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "fairprune"
 
-LAYERS = ["cli", "workflows", "callbacks", "models", "pruning", "metrics", "data", "reporting", "hub", "families", "storage", "distributed", "errors"]
+LAYERS = ["cli", "workflows", "callbacks", "models", "pruning", "metrics", "data", "reporting", "hub", "families", "storage memory", "distributed", "errors"]
 RANK = {name: len(LAYERS) - i for i, layer in enumerate(LAYERS) for name in layer.split()}
 RANK["__init__"] = 0  # the package's own __init__ holds the version only
 

@@ -102,9 +102,10 @@ def test_streamed_runs_score_tasks_on_a_disk_offloaded_model_as_in_memory(tiny_l
     read from the offload folder."""
     from transformers import AutoTokenizer
 
+    from fairprune.hub.offload import offloaded
     from fairprune.metrics.harness import resolve_tasks
     from fairprune.workflows.options import LMOptions
-    from fairprune.workflows.tasks import measure_tasks, offloaded
+    from fairprune.workflows.tasks import measure_tasks
 
     monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path / "cache"))
     tasks = ["--tasks", "[mmlu, bbq_ambig_letter]", "--limit", "20", "--dense_cache", "false"]

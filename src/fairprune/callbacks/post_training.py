@@ -16,6 +16,7 @@ The options are the commands' own types, with their names and defaults: ``calibr
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import asdict
 from typing import Any
 
@@ -24,18 +25,17 @@ import lightning as L
 from fairprune import distributed
 from fairprune.callbacks.report import run_dir
 from fairprune.data.pairs import LMTexts, read_pairs, split_pairs
-from fairprune.data.text import stereo_pairs
+from fairprune.data.text import calibration_ids, paired_ids, stereo_pairs
 from fairprune.errors import UserError
+from fairprune.hub import resolve_device
 from fairprune.hub.checks import check_input_model, saved_bytes
+from fairprune.metrics.language import eval_ids, measure_lm_items
 from fairprune.pruning import registry
-from fairprune.pruning.blocks import Resident
+from fairprune.pruning.llm import calibration_facts, evaluation_facts, lm_report, prune_causal_lm
 from fairprune.pruning.options import CalibrationOptions, HeadOptions, SolverOptions
 from fairprune.pruning.sparsity import Sparsity
-from fairprune.reporting.runs import write_head_run
+from fairprune.reporting.runs import write_head_run, write_run
 from fairprune.storage.folders import check_free_space
-from fairprune.workflows.lm_run import prune_run
-from fairprune.workflows.opened import dense_of
-from fairprune.workflows.options import LMOptions, MachineOptions
 
 
 class PostTrainingPruning(L.Callback):
@@ -102,14 +102,27 @@ class PostTrainingPruning(L.Callback):
         out = run_dir(trainer) / f"pruned-{self.method}"
         model = self._checked_copy(trainer, pl_module, out)
         texts = LMTexts(train_text, val_text, calib_pairs, eval_pairs)
-        # The commands' own run (in memory): the dense model measured, pruned, saved, measured again, reported.
-        lm = LMOptions(model=str(run_dir(trainer) / "model"), **asdict(c), save_format=self.save_format,
-                       dense_cache=False, stream=False)
-        machine = MachineOptions(quiet=trainer.progress_bar_callback is None)
-        blocks = Resident(model, source=lm.model)
-        ids, dense = dense_of(blocks, pl_module.tokenizer, texts, lm, machine)
-        self.report = prune_run(blocks, pl_module.tokenizer, self.method, self.sparsity, out, texts, lm, self.solver,
-                                machine, self._config(), ids=ids, dense=dense)
+        tokenizer, device, talk = pl_module.tokenizer, resolve_device(c.device), trainer.progress_bar_callback is not None
+        ids = eval_ids(val_text, tokenizer, c.eval_tokens)
+        start = time.perf_counter()
+        before, before_items = measure_lm_items(model, tokenizer, ids, eval_pairs, c.window, device, progress=talk)
+        calib = calibration_ids(tokenizer, train_text, c.nsamples, c.seqlen, c.seed) if self.entry.uses_data else None
+        pairs = paired_ids(tokenizer, calib_pairs, c.seqlen) if self.entry.paired else None
+        measured = time.perf_counter()
+        result = prune_causal_lm(model.cpu(), self.method, self.sparsity, calib, pairs, device, self.solver.percdamp,
+                                 self.solver.blocksize, progress=talk)
+        pruned = time.perf_counter()
+        after, items = measure_lm_items(model, tokenizer, ids, eval_pairs, c.window, device, progress=talk)
+        model.to("cpu")
+        self.report = lm_report(  # the report every LM run writes, the commands' own builder
+            result, after, items, before, before_items, model=str(run_dir(trainer) / "model"),
+            calibration=calibration_facts(texts, c.nsamples if calib is not None else 0, c.seqlen, pairs is not None),
+            evaluation=evaluation_facts(ids, c.window, c.eval_tokens, eval_pairs, tokenizer),
+            seconds={"prune": pruned - measured, "solve": result["seconds"]["solve"],
+                     "evaluate": (measured - start) + (time.perf_counter() - pruned), "total": time.perf_counter() - start})
+        write_run(out, model, tokenizer, self.report, self._config(), result["layers"], save_format=self.save_format,
+                  nm=self.sparsity.nm, items=(items, None))
+        print(f"[{self.method}] perplexity {before['perplexity']:.2f} → {after['perplexity']:.2f}; written to {out}", flush=True)
 
     def _prune_heads(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from fairprune.data.prompts import read_prompts

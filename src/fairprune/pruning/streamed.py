@@ -191,7 +191,7 @@ class StreamedModel(BlockModel):
     def task_model(self, lm) -> tuple[None, Any]:
         """What lm-eval runs on: the model loaded by transformers' disk offload
         (:func:`fairprune.workflows.tasks.offloaded`), at most four of its largest parts in memory."""
-        from fairprune.workflows.tasks import offloaded
+        from fairprune.hub.offload import offloaded
 
         return None, offloaded(self.folder, lm, 4 * self.facts()["largest_part_bytes"])
 

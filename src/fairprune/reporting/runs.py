@@ -50,7 +50,7 @@ def check_result(model, output: str | os.PathLike, method: str | None = None) ->
                         "calibration set)")
 
 
-def _write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any], config: dict[str, Any],
+def write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any], config: dict[str, Any],
                layers: dict[str, float] | None = None, extra: Callable[[Path], Any] | None = None,
                keep: tuple[str, ...] = (), save_format: str | None = None, nm: tuple[int, int] | None = None,
                items: tuple[Any, Any] = (None, None)) -> Path:
@@ -107,4 +107,4 @@ def write_head_run(output: str | os.PathLike, model, tokenizer, result: Any, con
         if result.bias_by_axis is not None:
             plot_axis_correlation(result.bias_by_axis, out / "axis_correlation.png")
 
-    return _write_run(output, model, tokenizer, result.report, config, extra=plots, keep=JOURNAL)
+    return write_run(output, model, tokenizer, result.report, config, extra=plots, keep=JOURNAL)
