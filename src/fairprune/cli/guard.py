@@ -14,6 +14,7 @@ or 130 (Ctrl-C); anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import signal
@@ -31,6 +32,11 @@ from fairprune.errors import Stopped, UserError
 #: of Lightning's rank-zero helper (e.g. "Detected KeyboardInterrupt, attempting graceful shutdown").
 QUIET_LOGGERS = ("lightning.fabric.utilities.seed", "lightning.fabric.utilities.rank_zero",
                  "lightning.pytorch.utilities.rank_zero", "lightning.pytorch.accelerators.cuda")
+
+
+#: What the operating system says when a write cannot fit (a full disk, a quota, a file-size limit):
+#: not a bug, one line.
+REFUSED_WRITES = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 
 
 def guarded(run: Callable[[], Any]) -> int:
@@ -96,6 +102,10 @@ def user_error_in(err: BaseException) -> BaseException | None:
     while err is not None and id(err) not in seen:
         if isinstance(err, (UserError, ArgumentError)):
             return err
+        if isinstance(err, OSError) and err.errno in REFUSED_WRITES:
+            where = f" '{err.filename}'" if err.filename else ""
+            return UserError(f"cannot write{where} ({err.strerror or err}); free some space there (or write elsewhere) "
+                             "and run the command again")
         if _hardware_settings_refused(err):
             return UserError(f"trainer settings: {one_line(err)} (--trainer.accelerator cpu or auto runs on what "
                              "this machine has)")

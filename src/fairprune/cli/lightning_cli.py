@@ -32,10 +32,12 @@ from fairprune.callbacks.guards import FiniteCheck, RunFolderLock
 from fairprune.callbacks.history import remember_metrics
 from fairprune.callbacks.progress import ProgressBar
 from fairprune.callbacks.report import ReportWriter
+from fairprune.callbacks.saving import AtomicSaveConfig, atomic_checkpoints
 from fairprune.callbacks.signals import CheckpointOnStop, stops_reported
 from fairprune.cli.guard import guarded
 from fairprune.errors import UserError
-from fairprune.storage.checkpoints import read_checkpoint
+from fairprune.storage.atomic import write_bytes
+from fairprune.storage.checkpoints import read_checkpoint, state_dict_mismatch
 from fairprune.workflows.options import MachineOptions
 
 TRAINER_DEFAULTS: dict[str, Any] = {
@@ -63,8 +65,46 @@ def check_ckpt_path(ckpt_path: str) -> None:
     otherwise, before Lightning reads it."""
     if ckpt_path.split(":")[0] in CKPT_KEYWORDS or "://" in ckpt_path:
         return
-    read_checkpoint(ckpt_path, "--ckpt_path", "pass a checkpoint written by train.py fit, e.g. "
-                    "runs/<experiment>/<name>/checkpoints/last.ckpt")
+    state = read_checkpoint(ckpt_path, "--ckpt_path", "pass a checkpoint written by train.py fit, e.g. "
+                            "runs/<experiment>/<name>/checkpoints/last.ckpt")
+    from fairprune.pruning.channels import CHECKPOINT_KEY, check_architecture
+
+    if CHECKPOINT_KEY in state:  # a channel-pruned model's architecture, checked before anything is built
+        check_architecture(state[CHECKPOINT_KEY], state.get("state_dict"), f"--ckpt_path '{ckpt_path}'")
+
+
+class FolderKept:
+    """The files of a folder as they were (its top level, files up to 16 MB), to put back when a
+    run that writes there fails: a failed ``train.py test`` leaves no ``test/config.yaml`` (nor
+    ``metrics.csv``) of its own behind, and an earlier test's files as they were."""
+
+    LIMIT = 16 * 1024 * 1024
+
+    def __init__(self, folder: str | os.PathLike) -> None:
+        self.folder = Path(folder)
+        self.missing = [p for p in (self.folder, *self.folder.parents) if not p.exists()]
+        self.files: dict[str, bytes] = {}
+        if self.folder.is_dir():
+            for entry in self.folder.iterdir():
+                if entry.is_file() and entry.stat().st_size <= self.LIMIT:
+                    self.files[entry.name] = entry.read_bytes()
+
+    def restore(self) -> None:
+        if not self.folder.is_dir():
+            return
+        for entry in self.folder.iterdir():
+            if not entry.is_file() or entry.name.startswith(".lock"):
+                continue
+            before = self.files.get(entry.name)
+            if before is None:
+                entry.unlink(missing_ok=True)
+            elif entry.read_bytes() != before:
+                write_bytes(entry, before)
+        for folder in self.missing:  # the folders the run made, if it left them empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
 
 
 def beside_the_fit(trainer: Any, subcommand: str) -> None:
@@ -124,12 +164,27 @@ class FairpruneCLI(LightningCLI):
         # (Lightning refuses a progress-bar callback with enable_progress_bar: false).
         if config.get("enable_progress_bar") is False:
             callbacks = [c for c in callbacks if not isinstance(c, ProgressBar)]
-        return super()._instantiate_trainer(config, [*callbacks, CheckpointOnStop()])  # SIGTERM keeps a last.ckpt
+        trainer = super()._instantiate_trainer(config, [*callbacks, CheckpointOnStop()])  # SIGTERM keeps a last.ckpt
+        return atomic_checkpoints(trainer)  # checkpoints whole or not at all (a full disk leaves none cut short)
 
     def _run_subcommand(self, subcommand: str) -> None:
-        # A SIGTERM / Ctrl-C ends the run as one line naming the epoch and the checkpoint to resume from.
-        with stops_reported(self.trainer, "--ckpt_path"):
-            super()._run_subcommand(subcommand)
+        kept = FolderKept(self.trainer.log_dir) if subcommand in BESIDE_THE_FIT and self.trainer.log_dir else None
+        try:
+            # A SIGTERM / Ctrl-C ends the run as one line naming the epoch and the checkpoint to resume from.
+            with stops_reported(self.trainer, "--ckpt_path"):
+                super()._run_subcommand(subcommand)
+        except BaseException as err:
+            if kept is not None and self.trainer.is_global_zero:
+                kept.restore()  # a failed validate / test / predict leaves its folder as it was
+            reason = state_dict_mismatch(err)
+            ckpt_path = (self.config.get(subcommand) or {}).get("ckpt_path")
+            if isinstance(err, UserError) and ckpt_path and str(err).startswith("the checkpoint"):
+                raise UserError(f"--ckpt_path '{ckpt_path}': {err}") from None  # refused while Lightning loaded it
+            if reason is None or not ckpt_path:
+                raise
+            raise UserError(f"--ckpt_path '{ckpt_path}' holds weights that do not fit the model the config builds "
+                            f"({reason}); pass a checkpoint of this model, written by train.py fit or prune.py "
+                            "vision, with the settings it was trained with") from None
 
     def before_fit(self) -> None:
         remember_metrics(self.trainer)  # --ckpt_path: the resumed run's metrics.csv keeps the rows before it
@@ -165,6 +220,7 @@ def dispatch(args: list[str] | None = None) -> int:
         subclass_mode_model=True,
         subclass_mode_data=True,
         trainer_defaults=TRAINER_DEFAULTS,
+        save_config_callback=AtomicSaveConfig,  # config.yaml whole or not at all
         save_config_kwargs={"overwrite": True},
         parser_kwargs={"exit_on_error": False},
         args=args,

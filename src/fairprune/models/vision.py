@@ -152,8 +152,9 @@ class VisionClassifier(GroupEvaluation, L.LightningModule):
         attach_masks_for(self, checkpoint["state_dict"])
         # A channel-pruned one holds its architecture: remove the same channels before the state loads.
         record = checkpoint.get(channels.CHECKPOINT_KEY)
-        if record:
-            channels.apply_architecture(self, record)
+        if channels.CHECKPOINT_KEY in checkpoint:
+            channels.check_architecture(record, checkpoint.get("state_dict"))  # before anything is built from it
+            channels.apply_architecture(self, record, dense=not self.architecture)
             self.architecture = record
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

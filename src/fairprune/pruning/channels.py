@@ -259,25 +259,97 @@ def architecture(groups: Sequence[ChannelGroup], input_shape: Sequence[int], den
                        for g in groups]}
 
 
-def apply_architecture(model: nn.Module, record: dict[str, Any]) -> None:
+#: The most numbers a recorded example input may hold (3 × 1182², far above any image size a model
+#: is pruned at): the network is traced on it, so a larger one would allocate gigabytes for nothing.
+MAX_INPUT_NUMEL = 1 << 22
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_architecture(record: Any, state_dict: dict[str, Any] | None = None, where: str = "the checkpoint") -> None:
+    """Refuse, in one line naming ``where`` and the bad entry, a pruned architecture that is not
+    what :func:`architecture` writes, before any model is built or traced: the example input
+    (``[1, channels, height, width]``, whole numbers, at most :data:`MAX_INPUT_NUMEL` numbers), the
+    dense parameter count, and per group a name, its layers (each in one group), whole channel counts
+    with ``1 <= kept <= dense``; given the checkpoint's ``state_dict``, every group's layers must
+    hold ``kept`` output channels there."""
+
+    def bad(entry: str, what: str) -> UserError:
+        return UserError(f"{where}: {CHECKPOINT_KEY}{entry} {what}; the file was edited or damaged: pass a checkpoint "
+                         "written by prune.py vision")
+
+    if not isinstance(record, dict):
+        raise bad("", f"is a {type(record).__name__}, not the mapping prune.py vision writes")
+    shape = record.get("input_shape")
+    if not isinstance(shape, list) or len(shape) != 4 or not all(_whole(s) for s in shape):
+        raise bad(".input_shape", f"is {shape!r}, not four whole numbers [1, channels, height, width]")
+    numel = shape[1] * shape[2] * shape[3]
+    if shape[0] != 1 or min(shape) < 1 or numel > MAX_INPUT_NUMEL:
+        raise bad(".input_shape", f"is {shape}: one image [1, channels, height, width] of at most "
+                                  f"{MAX_INPUT_NUMEL} numbers is traced, each size 1 or more")
+    if not _whole(record.get("dense_parameters")) or record["dense_parameters"] < 1:
+        raise bad(".dense_parameters", f"is {record.get('dense_parameters')!r}, not a parameter count of 1 or more")
+    groups = record.get("groups")
+    if not isinstance(groups, list):
+        raise bad(".groups", f"is {type(groups).__name__}, not a list of channel groups")
+    seen: set[str] = set()
+    for i, entry in enumerate(groups):
+        tag = f".groups[{i}]"
+        if not isinstance(entry, dict):
+            raise bad(tag, f"is a {type(entry).__name__}, not a channel group")
+        if not isinstance(entry.get("name"), str) or not entry["name"]:
+            raise bad(f"{tag}.name", f"is {entry.get('name')!r}, not a layer name")
+        layers = entry.get("layers")
+        if not isinstance(layers, list) or not layers or not all(isinstance(n, str) and n for n in layers):
+            raise bad(f"{tag}.layers", f"is {layers!r}, not a list of layer names")
+        again = next((n for n in layers if n in seen), None)
+        if again is not None:
+            raise bad(f"{tag}.layers", f"names {again}, which another group names too")
+        seen.update(layers)
+        for key in ("dense", "kept"):
+            if key not in entry:
+                raise bad(tag, f"({entry['name']}) has no '{key}' channel count")
+            if not _whole(entry[key]):
+                raise bad(f"{tag}.{key}", f"({entry['name']}) is {entry[key]!r}, not a whole number of channels")
+        if not 1 <= entry["kept"] <= entry["dense"]:
+            raise bad(f"{tag}.kept", f"({entry['name']}) is {entry['kept']} of {entry['dense']} dense channels; "
+                                     "a group keeps 1 to all of them")
+    for i, entry in enumerate(groups if state_dict is not None else []):
+        for layer in entry["layers"]:
+            weight = state_dict.get(f"{layer}.weight", state_dict.get(f"{layer}.weight_orig"))
+            if isinstance(weight, torch.Tensor) and weight.dim() >= 1 and weight.shape[0] != entry["kept"]:
+                raise bad(f".groups[{i}].kept", f"({entry['name']}) is {entry['kept']}, but the checkpoint's weights of "
+                                                f"{layer} hold {weight.shape[0]} output channels")
+
+
+def apply_architecture(model: nn.Module, record: dict[str, Any], dense: bool = False) -> None:
     """Remove channels from ``model`` (the dense one, or one already pruned less) until every group
-    of ``record`` has its kept channel count; the weights are then the checkpoint's to fill."""
+    of ``record`` has its kept channel count; the weights are then the checkpoint's to fill.
+    ``dense``: ``model`` is the dense network, whose group sizes must be the record's dense counts."""
+    check_architecture(record)
+    shape, entries = record["input_shape"], record["groups"]
+    by_layer = {layer: entry for entry in entries for layer in entry["layers"]}
     try:
-        shape, entries = list(record["input_shape"]), list(record["groups"])
-        by_layer = {layer: entry for entry in entries for layer in entry["layers"]}
-    except (KeyError, TypeError) as err:
-        raise UserError(f"the checkpoint's {CHECKPOINT_KEY} is malformed ({err!r}); pass a checkpoint written by "
-                        "prune.py vision or train.py") from None
+        found = channel_groups(model, shape)
+    except (RuntimeError, ValueError, IndexError) as err:  # the example input does not fit the network
+        raise UserError(f"the checkpoint's {CHECKPOINT_KEY}.input_shape {shape} is no input of this model "
+                        f"({' '.join(str(err).split())[:160]}); pass a checkpoint written by prune.py vision") from None
     matched = set()
-    for g in channel_groups(model, shape):
+    for g in found:
         entry = next((by_layer[n] for n in g.layers if n in by_layer), None)
         if entry is None:
             continue
         matched.add(id(entry))
-        kept = int(entry["kept"])
+        kept = entry["kept"]
         if not 1 <= kept <= g.size:
             raise UserError(f"the checkpoint keeps {kept} channels of layer {g.name}, which has {g.size}: it was pruned "
                             "from another model; load it with the model settings it was trained with")
+        if dense and entry["dense"] != g.size:
+            raise UserError(f"the checkpoint's {CHECKPOINT_KEY} says layer {g.name} has {entry['dense']} dense channels, "
+                            f"but the model its settings build has {g.size}: the file was edited, or it was pruned from "
+                            "another model; pass a checkpoint written by prune.py vision")
         if kept < g.size:
             g.group.prune(list(range(kept, g.size)))
     missing = [e["name"] for e in entries if id(e) not in matched]

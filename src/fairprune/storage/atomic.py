@@ -34,6 +34,11 @@ def write_text(path: str | os.PathLike, text: str) -> Path:
     return replace_atomically(path, lambda tmp: tmp.write_text(text))
 
 
+def write_bytes(path: str | os.PathLike, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically."""
+    return replace_atomically(path, lambda tmp: tmp.write_bytes(data))
+
+
 def write_csv(path: str | os.PathLike, frame, **to_csv: Any) -> Path:
     """Write a pandas frame to ``path`` atomically (``to_csv`` keywords: ``index=False``, ...)."""
     return replace_atomically(path, lambda tmp: frame.to_csv(tmp, **to_csv))

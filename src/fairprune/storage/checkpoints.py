@@ -75,3 +75,15 @@ def read_checkpoint(path: str | Path, what: str = "checkpoint", hint: str = WRIT
     if not isinstance(state, dict):
         raise UserError(f"{what} '{path}' holds a {type(state).__name__}, not a checkpoint dictionary; {hint}")
     return state
+
+
+def state_dict_mismatch(err: BaseException) -> str | None:
+    """For torch's refusal to load a state dict into a model it does not fit (``Error(s) in
+    loading state_dict``: a tensor of another shape, a key missing or unexpected), its first
+    reason on one line; None for any other error."""
+    text = str(err)
+    if not isinstance(err, RuntimeError) or "Error(s) in loading state_dict" not in text:
+        return None
+    reasons = [line.strip() for line in text.splitlines()[1:] if line.strip()]
+    first = " ".join((reasons[0] if reasons else text).split())
+    return first[:200] + ("..." if len(first) > 200 else "")

@@ -11,7 +11,8 @@ from typing import Any
 import lightning as L
 
 from fairprune.errors import UserError
-from fairprune.storage.checkpoints import read_checkpoint
+from fairprune.pruning import channels
+from fairprune.storage.checkpoints import read_checkpoint, state_dict_mismatch
 from fairprune.workflows.options import DataOptions
 from fairprune.workflows.paired import item_outcomes, save_items
 
@@ -46,7 +47,18 @@ def load_trained(ckpt: str | Path, data_overrides: dict[str, Any] | None = None)
         raise UserError(f"checkpoint '{ckpt}' is a {hp['_class_path']} checkpoint, without class and group names; the "
                         f"vision commands (prune.py vision, compare --ckpt) need {VISION_CKPT}. A causal LM is pruned "
                         f"with prune.py magnitude / wanda / sparsegpt --model {folder}")
-    model = resolve_name(hp["_class_path"]).load_from_checkpoint(path, map_location="cpu", weights_only=True)
+    if channels.CHECKPOINT_KEY in meta:  # a channel-pruned model's architecture, checked before anything is built
+        channels.check_architecture(meta[channels.CHECKPOINT_KEY], meta.get("state_dict"), f"checkpoint '{ckpt}'")
+    try:
+        model = resolve_name(hp["_class_path"]).load_from_checkpoint(path, map_location="cpu", weights_only=True)
+    except UserError as err:
+        raise UserError(f"checkpoint '{ckpt}': {err}") from None
+    except RuntimeError as err:
+        reason = state_dict_mismatch(err)
+        if reason is None:
+            raise
+        raise UserError(f"checkpoint '{ckpt}' holds weights that do not fit the model its settings build ({reason}); "
+                        f"the file was edited or damaged: pass {VISION_CKPT}") from None
     data = resolve_name(dhp["_class_path"]).load_from_checkpoint(path, weights_only=True, **(data_overrides or {}))
     return model, data
 

@@ -28,6 +28,7 @@ from fairprune.callbacks.history import remember_metrics
 from fairprune.callbacks.progress import ProgressBar
 from fairprune.callbacks.pruning import IterativePruning
 from fairprune.callbacks.report import ReportWriter
+from fairprune.callbacks.saving import atomic_checkpoints
 from fairprune.callbacks.signals import CheckpointOnStop, stop_in, stops_reported
 from fairprune.errors import UserError
 from fairprune.metrics.group.bootstrap import bootstrap
@@ -135,6 +136,7 @@ def _prune(ckpt: str, pruning: dict[str, Any], callback: IterativePruning, outpu
         + ([ProgressBar()] if settings.get("enable_progress_bar", True) else []),
         **settings,
     )
+    atomic_checkpoints(fit)  # a full disk leaves no checkpoint cut short under its name
     remember_metrics(fit)  # a resumed run's metrics.csv keeps the rows before the checkpoint
     with stops_reported(fit, "--resume"):  # SIGTERM: last.ckpt is written, and the line says how to resume
         fit.fit(model, datamodule=datamodule, ckpt_path=resume, weights_only=True)
@@ -254,6 +256,7 @@ def train_dense(ckpt: str | Path, folder: Path, seed: int, trainer: TrainerOptio
                     callbacks=[_RecordClasses(meta), ReportWriter(), FiniteCheck(),
                                ModelCheckpoint(dirpath=folder / "checkpoints", save_last=True)]
                     + ([ProgressBar()] if settings.get("enable_progress_bar", True) else []), **settings)
+    atomic_checkpoints(fit)
     with stops_reported(fit, None):
         fit.fit(model, datamodule=datamodule)
     return last
