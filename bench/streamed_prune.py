@@ -87,7 +87,7 @@ def main() -> None:
               "--dtype", args.dtype, "--nsamples", str(args.nsamples), "--seqlen", str(args.seqlen),
               "--eval_tokens", str(args.eval_tokens), "--threads", str(args.threads), "--device", "cpu",
               "--dense_cache", "false", "--quiet"]
-    children["in-memory"] = [*common, "--output", str(scratch / "in-memory")]
+    children["in-memory"] = [*common, "--stream", "false", "--output", str(scratch / "in-memory")]
     children["streamed"] = [*common, "--stream", "true", "--output", str(scratch / "streamed")]
     runs = {}
     try:
