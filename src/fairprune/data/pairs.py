@@ -104,14 +104,29 @@ def read_crows_pairs(path: str | Path) -> list[Pair]:
             raise UserError(f"{path}: row {row} has stereo_antistereo {value!r}; each row needs stereo or antistereo")
     return [Pair(more, less, d) for more, less, d in zip(frame.sent_more, frame.sent_less, directions)]
 
+#: The longest pair sentence taken (CrowS-Pairs' and StereoSet's are under 300 characters): a longer
+#: one is rows run together (a quote left open in a cut or edited file), not a sentence.
+MAX_SENTENCE = 2000
+
+
 def read_pairs(path: str | Path) -> list[Pair]:
-    """Read StereoSet (``.json``) or CrowS-Pairs (``.csv``) into :class:`Pair` s."""
+    """Read StereoSet (``.json``) or CrowS-Pairs (``.csv``) into :class:`Pair` s; every sentence
+    text of at most :data:`MAX_SENTENCE` characters, or a one-line :class:`UserError` naming the pair."""
     suffix = Path(path).suffix.lower()
     if suffix == ".json":
-        return read_stereoset(path)
-    if suffix == ".csv":
-        return read_crows_pairs(path)
-    raise UserError(f"{path}: unknown pair-set format {suffix!r}; give StereoSet .json or CrowS-Pairs .csv")
+        pairs = read_stereoset(path)
+    elif suffix == ".csv":
+        pairs = read_crows_pairs(path)
+    else:
+        raise UserError(f"{path}: unknown pair-set format {suffix!r}; give StereoSet .json or CrowS-Pairs .csv")
+    for number, pair in enumerate(pairs, start=1):
+        for text in pair[:2]:
+            if not isinstance(text, str):
+                raise UserError(f"{path}: pair {number} has {text!r} where a sentence goes; every pair needs two sentences")
+            if len(text) > MAX_SENTENCE:
+                raise UserError(f"{path}: pair {number} has a sentence of {len(text)} characters, more than "
+                                f"{MAX_SENTENCE}: rows run together (a quote left open?); fix the file")
+    return pairs
 
 def _read_json(path: str | Path):
     try:

@@ -47,6 +47,7 @@ def load_trained(ckpt: str | Path, data_overrides: dict[str, Any] | None = None)
         raise UserError(f"checkpoint '{ckpt}' is a {hp['_class_path']} checkpoint, without class and group names; the "
                         f"vision commands (prune.py vision, compare --ckpt) need {VISION_CKPT}. A causal LM is pruned "
                         f"with prune.py magnitude / wanda / sparsegpt --model {folder}")
+    check_state_dict(meta, ckpt)
     if channels.CHECKPOINT_KEY in meta:  # a channel-pruned model's architecture, checked before anything is built
         channels.check_architecture(meta[channels.CHECKPOINT_KEY], meta.get("state_dict"), f"checkpoint '{ckpt}'")
     try:
@@ -61,6 +62,28 @@ def load_trained(ckpt: str | Path, data_overrides: dict[str, Any] | None = None)
                         f"the file was edited or damaged: pass {VISION_CKPT}") from None
     data = resolve_name(dhp["_class_path"]).load_from_checkpoint(path, weights_only=True, **(data_overrides or {}))
     return model, data
+
+
+#: State-dict entries that hold floating-point values in every model (a weight read as integers
+#: would be copied into the model silently, rounded).
+FLOAT_ENTRIES = ("weight", "bias", "weight_orig", "running_mean", "running_var")
+
+
+def check_state_dict(meta: dict[str, Any], ckpt: str | Path) -> None:
+    """The checkpoint's weights are a mapping of names to tensors, the weights, biases and
+    BatchNorm statistics floating-point: one line naming the entry otherwise."""
+    import torch
+
+    state = meta.get("state_dict")
+    if not isinstance(state, dict) or not state:
+        raise UserError(f"checkpoint '{ckpt}' holds no weights (state_dict is {type(state).__name__}); pass {VISION_CKPT}")
+    for key, value in state.items():
+        if not isinstance(value, torch.Tensor):
+            raise UserError(f"checkpoint '{ckpt}': state_dict entry {key} is a {type(value).__name__}, not a tensor; "
+                            f"the file was edited or damaged: pass {VISION_CKPT}")
+        if str(key).rsplit(".", 1)[-1] in FLOAT_ENTRIES and not value.is_floating_point():
+            raise UserError(f"checkpoint '{ckpt}': state_dict entry {key} holds {value.dtype} values, not floating-point "
+                            f"weights; the file was edited or damaged: pass {VISION_CKPT}")
 
 
 def checkpoint_file(ckpt: str) -> str | None:

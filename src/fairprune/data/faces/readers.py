@@ -70,8 +70,9 @@ LABEL_FILES = {
     "fairface": ("fairface_label_train.csv", "fairface_label_val.csv"),
     "celeba": ("list_attr_celeba.txt", "list_eval_partition.txt"),
 }
-# age_gender_race_datetime, in-the-wild (.jpg) or aligned (.jpg.chip.jpg) style.
-UTKFACE_NAME = re.compile(r"(\d+)_([01])_([0-4])_(\d+)\.jpg(\.chip\.jpg)?")
+# age_gender_race_datetime, in-the-wild (.jpg) or aligned (.jpg.chip.jpg) style; an age of more than
+# three digits (UTKFace's run 0..116) is no age: the name is malformed.
+UTKFACE_NAME = re.compile(r"(\d{1,3})_([01])_([0-4])_(\d+)\.jpg(\.chip\.jpg)?")
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,9 +294,15 @@ def read_celeba(root: str | Path, target: str = "Smiling", sensitive: str | None
     sensitive = None if sensitive is None else celeba_attribute(sensitive, names, "sensitive")
     attrs = read_user_csv(attr_file, "CelebA attribute", expected, sep=r"\s+", skiprows=2, header=None,
                           names=["image_id", *names])
+    _check_celeba_attributes(attr_file, attrs, names, expected)
     attrs[names] = (attrs[names] > 0).astype(np.int64)
     partition = read_user_csv(partition_file, "CelebA partition", "'<image> <0|1|2>' lines", sep=r"\s+",
                               header=None, names=["image_id", "partition"])
+    bad = ~partition["partition"].isin([0, 1, 2])
+    if bad.any():
+        row = int(np.argmax(bad.to_numpy()))
+        raise UserError(f"{partition_file}, line {row + 1}: partition {partition['partition'].iloc[row]!r}; each line "
+                        "is '<image> <0|1|2>' (0 train, 1 val, 2 test)")
     frame = attrs.merge(partition, on="image_id", how="inner", validate="one_to_one")
     if len(frame) != len(attrs):
         raise UserError(f"{len(attrs) - len(frame)} image(s) in {attr_file} have no line in "
@@ -306,6 +313,25 @@ def read_celeba(root: str | Path, target: str = "Smiling", sensitive: str | None
     out = _finish(frame, frame[target].to_numpy(), groups, list(names))
     out.attrs["skipped"] = {}
     return out
+
+
+def _check_celeba_attributes(attr_file: Path, attrs: pd.DataFrame, names: list[str], expected: str) -> None:
+    """The attribute list as CelebA writes it, or one line naming what is wrong: as many image lines
+    as its count line says (a cut or edited file lists fewer), every attribute -1 or 1 (a short
+    line leaves cells empty)."""
+    with attr_file.open(encoding="utf-8") as handle:
+        count = handle.readline().strip()
+    if not count.isdigit() or int(count) != len(attrs):
+        raise UserError(f"{attr_file}: its count line says {count[:30]!r} images but it lists {len(attrs)}; the file "
+                        f"is cut short or edited: expected {expected}")
+    values = attrs[names]
+    bad = ~values.isin([-1, 1]).all(axis=1).to_numpy()
+    if bad.any():
+        row = int(np.argmax(bad))
+        column = next(n for n in names if values[n].iloc[row] not in (-1, 1))
+        value = values[column].iloc[row]
+        found = "missing (a short line)" if pd.isna(value) else f"{value}"
+        raise UserError(f"{attr_file}, line {row + 3}: {column} is {found}; every attribute is -1 or 1: expected {expected}")
 
 
 def _celeba_names(attr_file: Path, expected: str) -> list[str]:
