@@ -60,7 +60,10 @@ def load_trained(ckpt: str | Path, data_overrides: dict[str, Any] | None = None)
             raise
         raise UserError(f"checkpoint '{ckpt}' holds weights that do not fit the model its settings build ({reason}); "
                         f"the file was edited or damaged: pass {VISION_CKPT}") from None
-    data = resolve_name(dhp["_class_path"]).load_from_checkpoint(path, weights_only=True, **(data_overrides or {}))
+    try:
+        data = resolve_name(dhp["_class_path"]).load_from_checkpoint(path, weights_only=True, **(data_overrides or {}))
+    except UserError as err:  # a data setting the checkpoint records (or an override of it) refused
+        raise UserError(f"checkpoint '{ckpt}' (its data settings, with any --data overrides): {err}") from None
     return model, data
 
 
