@@ -53,6 +53,17 @@ def atomic_checkpoints(trainer: L.Trainer) -> L.Trainer:
     return trainer
 
 
+def _has_skip_unset() -> bool:
+    import jsonargparse
+
+    major, minor = (int(part) for part in jsonargparse.__version__.split(".")[:2])
+    return (major, minor) >= (4, 49)
+
+
+#: Whether jsonargparse's save takes ``skip_unset`` (4.49 on), which replaced ``skip_none``.
+_SKIP_UNSET = _has_skip_unset()
+
+
 class _AtomicSave:
     """A jsonargparse parser whose ``save`` writes beside the target and renames."""
 
@@ -61,6 +72,8 @@ class _AtomicSave:
 
     def save(self, cfg: Any, path: str, **kwargs: Any) -> None:
         kwargs["overwrite"] = True  # the temporary file is this run's own
+        if "skip_none" in kwargs and _SKIP_UNSET:  # Lightning's name for it, which jsonargparse 4.49 renamed
+            kwargs["skip_unset"] = kwargs.pop("skip_none")
         try:
             replace_atomically(path, lambda tmp: self._parser.save(cfg, str(tmp), **kwargs))
         except OSError as err:
