@@ -186,7 +186,16 @@ def test_ctrl_c_in_an_lm_command_is_one_line_and_status_130(command, tmp_path, c
     assert capsys.readouterr().err == "error: interrupted (Ctrl-C); run the same command again\n"
 
 
-def test_ctrl_c_in_a_lightning_fit_is_one_line_and_status_130(tmp_path, capsys, monkeypatch):
+@pytest.fixture
+def python_sigint():
+    """Python's own Ctrl-C handler for the test, whatever the test run inherited (a run started in
+    the background of a non-interactive shell begins with SIGINT ignored); the inherited one after."""
+    outer = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, outer)
+
+
+def test_ctrl_c_in_a_lightning_fit_is_one_line_and_status_130(tmp_path, capsys, monkeypatch, python_sigint):
     from fairprune.models.vision import VisionClassifier
 
     def interrupted(self, *args, **kwargs):
