@@ -253,10 +253,11 @@ def _manager(stock: bool):
     global _STOCK_MANAGER
     from lm_eval.tasks import TaskManager
 
+    # Its log level comes from the loggers (_quiet), not from TaskManager's deprecated verbosity argument.
     if not stock:
-        return TaskManager(include_defaults=False, verbosity="ERROR")
+        return TaskManager(include_defaults=False)
     if _STOCK_MANAGER is None:
-        _STOCK_MANAGER = TaskManager(verbosity="ERROR")
+        _STOCK_MANAGER = TaskManager()
     return _STOCK_MANAGER
 
 
