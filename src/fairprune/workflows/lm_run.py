@@ -101,7 +101,7 @@ def prune_run(blocks, tokenizer, method: str, sparsity: Sparsity, output: str | 
         print(pruned_line(method, report, output), flush=True)
         print(f"[{method}] {weights_summary(report['weights'])}; {'streamed' if blocks.streamed else 'in memory'} in "
               f"{dtype_name(blocks.dtype)}, peak resident memory {megabytes(memory['peak_rss_bytes'])} "
-              f"({megabytes(memory['peak_rss_at_start_bytes'])} before loading) for a {megabytes(memory['model_bytes'])} "
+              f"({megabytes(memory['peak_rss_at_start_bytes'])} when the run began) for a {megabytes(memory['model_bytes'])} "
               "model", flush=True)
     distributed.barrier()
     return report
