@@ -90,8 +90,10 @@ class Resident(BlockModel):
                 module.to(home)
 
     def read_output(self, name: str) -> torch.Tensor:
-        """A state-dict entry (what ``save_pretrained`` writes under ``name``)."""
-        return self.model.state_dict()[name].detach()
+        """A state-dict entry (what ``save_pretrained`` writes under ``name``), found by its path:
+        the digest reads every entry, and building the whole state dict for each would be quadratic."""
+        path, _, leaf = name.rpartition(".")
+        return getattr(self.model.get_submodule(path) if path else self.model, leaf).detach()
 
     def weight_bytes(self) -> int:
         """Bytes of the weights ``save_pretrained`` writes (a shared tensor once)."""
