@@ -117,7 +117,7 @@ def block0_hessian_gap(model, calib, pairs, pair_batch: int) -> dict:
     ]:
         batches = capture_block_inputs(model, inputs, "cpu")
         stats = {name: stat_type(linear_weight(layer).shape[1]) for name, layer in layers.items()}
-        _collect(block, layers, stats, batches)
+        _collect(0, block, layers, stats, batches)
         values[label] = {name: stats[name].value().double() for name in layers}
         values[label + " terms"] = max(stat.sum.terms for stat in stats.values())
     gaps = {name: float((values["batched"][name] - values["per pair"][name]).abs().max()

@@ -77,7 +77,7 @@ def main() -> None:
         def run(share: bool, make=make, held=held) -> None:
             stats = {name: make(linear_weight(layer).shape[1]) for name, layer in layers.items()}
             with torch.no_grad():
-                _collect(block, layers, stats, batches, share=share)
+                _collect(0, block, layers, stats, batches, share=share)
             held["shared" if share else "per layer"] = stats
 
         seconds = time_side_by_side({"shared": lambda: run(True), "per layer": lambda: run(False)}, warmup=0,

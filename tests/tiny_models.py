@@ -30,6 +30,16 @@ SPECS: dict[str, tuple[type, type, dict[str, Any]]] = {
                  max_position_embeddings=64, word_embed_proj_dim=32, **TOKENS)),  # exercises project_in
     "llama": (tf.LlamaForCausalLM, tf.LlamaConfig, dict(**_SHAPE, num_key_value_heads=2, **TOKENS)),
     "mistral": (tf.MistralForCausalLM, tf.MistralConfig, dict(**_SHAPE, num_key_value_heads=2, **TOKENS)),
+    "qwen2": (tf.Qwen2ForCausalLM, tf.Qwen2Config, dict(**_SHAPE, num_key_value_heads=2, **TOKENS)),
+    "qwen3": (tf.Qwen3ForCausalLM, tf.Qwen3Config, dict(**_SHAPE, num_key_value_heads=2, head_dim=16, **TOKENS)),
+    # Gemma 2 / 3 alternate sliding-window and global layers: a window of 4 makes them differ on short text.
+    "gemma2": (tf.Gemma2ForCausalLM, tf.Gemma2Config,
+               dict(**_SHAPE, num_key_value_heads=2, head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
+                    layer_types=["sliding_attention", "full_attention"], **TOKENS)),
+    "gemma3_text": (tf.Gemma3ForCausalLM, tf.Gemma3TextConfig,
+                    dict(**_SHAPE, num_key_value_heads=2, head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
+                         layer_types=["sliding_attention", "full_attention"], final_logit_softcapping=30.0, **TOKENS)),
+    "phi3": (tf.Phi3ForCausalLM, tf.Phi3Config, dict(**_SHAPE, num_key_value_heads=2, **TOKENS)),
     "bert": (tf.BertForMaskedLM, tf.BertConfig, dict(**_SHAPE, pad_token_id=0)),
     "roberta": (tf.RobertaForMaskedLM, tf.RobertaConfig,
                 dict(_SHAPE, max_position_embeddings=68, pad_token_id=1)),  # RoBERTa offsets positions by pad + 1

@@ -1,10 +1,18 @@
-"""Where things live inside each supported transformer family.
+"""Where things live inside each transformer family.
 
 Pruning methods never branch on the model type: they ask a :class:`Family` for the embedding
 front (the modules that run before the first block), the list of transformer blocks, the
 prunable linear layers of a block, the attention output projection, the head counts and where
 each head lives (q/k/v projections and head-count attributes, read by
-:mod:`fairprune.pruning.heads`). Adding a family means adding one row to :data:`FAMILIES`.
+:mod:`fairprune.pruning.heads`).
+
+For a causal LM the structure (front, blocks, prunable layers, tail) is found from the model
+itself (:mod:`fairprune.causal.structure`), so any ``*ForCausalLM`` whose decoder layers form one
+``nn.ModuleList`` is read, Qwen, Gemma and Phi included. :data:`FAMILIES` keeps what discovery
+cannot know: where the attention heads are (FASP, head removal) for families whose attention is
+not named the common way (:func:`generic_heads` reads ``q_proj`` / ``k_proj`` / ``v_proj`` or a
+fused ``qkv_proj``, and ``o_proj``), and a row may override any structure field. The encoders
+(BERT, RoBERTa) are stated whole.
 
 All paths are relative to ``model.base_model`` (``GPT2Model`` inside ``GPT2LMHeadModel``, ...),
 so a bare backbone and a model with a task head resolve the same way.
@@ -15,27 +23,31 @@ and :func:`set_linear_weight` present every prunable layer as a ``[out, in]`` ma
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from fairprune.causal.structure import LINEAR_TYPES, Structure, discover, find_blocks
 from fairprune.errors import UserError
 
 
 @dataclass(frozen=True)
 class Family:
-    """One row of the table: module paths (relative to ``model.base_model``) and config keys."""
+    """One row of the table: where a family keeps its attention heads (module paths relative to one
+    block, config keys), and optionally its structure (paths relative to ``model.base_model``).
+
+    For a causal LM the structure fields (``front``, ``blocks``, ``linears``, ``tail``) are found
+    from the model (:mod:`fairprune.causal.structure`); a row sets them only to override discovery
+    (or for the encoders, which discovery does not read). :func:`family_of` returns a complete row."""
 
     name: str
     model_types: tuple[str, ...]
-    front: tuple[str, ...]  # modules that run before block 0 (embeddings, rotary tables)
-    blocks: str  # the ``nn.ModuleList`` of transformer blocks
-    linears: tuple[str, ...]  # prunable layers, relative to one block, in forward order
-    attn_out: str  # attention output projection, relative to one block
-    attention: str  # the attention module, relative to one block
-    qkv: tuple[str, ...]  # (q, k, v) relative to ``attention``; a single entry is a fused [q | k | v] layer
+    attn_out: str | None = None  # attention output projection, relative to one block (None: no head layout)
+    attention: str | None = None  # the attention module, relative to one block
+    qkv: tuple[str, ...] = ()  # (q, k, v) relative to ``attention``; a single entry is a fused [q | k | v] layer
     heads_key: str = "num_attention_heads"
     kv_heads_key: str | None = None  # grouped-query attention; None: same as heads
     head_dim_key: str | None = None  # None: hidden_size // heads
@@ -43,9 +55,27 @@ class Family:
     head_counts: tuple[str, ...] = ()  # the number of query heads
     head_widths: tuple[str, ...] = ()  # query heads × head_dim
     head_groups: str | None = None  # query heads per key/value head
-    # Modules that run after the last block, before the head (causal LMs; in order, an absent optional
-    # one such as OPT's ``project_out`` skipped): what a model read block by block runs last.
-    tail: tuple[str, ...] = ()
+    kv_head_counts: tuple[str, ...] = ()  # the number of key/value heads
+    # The structure (None: found from the model):
+    front: tuple[str, ...] | None = None  # modules that run before block 0 (embeddings, rotary tables)
+    blocks: str | None = None  # the ``nn.ModuleList`` of transformer blocks
+    linears: tuple[str, ...] | None = None  # prunable layers, relative to one block, in forward order
+    # Modules that run after the last block, before the head (causal LMs; in order): what a model
+    # read block by block runs last. Empty for an encoder.
+    tail: tuple[str, ...] | None = None
+    returns_tuple: bool = False  # a block returns (hidden, ...) rather than the hidden states
+
+    @property
+    def has_heads(self) -> bool:
+        """Whether the row says where the attention heads are (FASP and head removal need it)."""
+        return self.attn_out is not None
+
+    def require_heads(self, what: str = "head pruning") -> None:
+        """One line, before any work, when this family's attention cannot be cut by heads."""
+        if not self.has_heads:
+            raise UserError(f"{what} needs the attention heads' layout, and the {self.name} family's attention was "
+                            "not recognised (separate q/k/v or one fused projection with an output projection); add "
+                            "a row to fairprune.families.FAMILIES (see docs/extending.md)")
 
     @property
     def heads_shrinkable(self) -> bool:
@@ -75,10 +105,12 @@ class Family:
 
     def attention_out(self, block: nn.Module) -> nn.Module:
         """The attention output projection (its input is the concatenation of all heads)."""
+        self.require_heads()
         return _get(block, self.attn_out)
 
     def attention_module(self, block: nn.Module) -> nn.Module:
         """The attention module of one block (it holds the head-count attributes)."""
+        self.require_heads()
         return _get(block, self.attention)
 
     def qkv_layers(self, block: nn.Module) -> list[nn.Module]:
@@ -101,44 +133,17 @@ class Family:
         return int(value) if value else int(config.hidden_size) // self.num_heads(config)
 
 
-_LLAMA_LINEARS = (
-    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj",
-)
-
 FAMILIES: tuple[Family, ...] = (
-    Family(
-        name="gpt2", model_types=("gpt2",), front=("wte", "wpe"), blocks="h",
-        linears=("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"), attn_out="attn.c_proj",
-        attention="attn", qkv=("c_attn",), head_counts=("num_heads",), head_widths=("split_size",), tail=("ln_f",),
-    ),
-    Family(
-        name="gpt-neo", model_types=("gpt_neo",), front=("wte", "wpe"), blocks="h",
-        linears=(
-            "attn.attention.q_proj", "attn.attention.k_proj", "attn.attention.v_proj",
-            "attn.attention.out_proj", "mlp.c_fc", "mlp.c_proj",
-        ),
-        attn_out="attn.attention.out_proj",
-        attention="attn.attention", qkv=("q_proj", "k_proj", "v_proj"), head_counts=("num_heads",), tail=("ln_f",),
-    ),
-    Family(
-        name="opt", model_types=("opt",),
-        front=("decoder.embed_tokens", "decoder.embed_positions", "decoder.project_in"),
-        blocks="decoder.layers",
-        linears=(
-            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.out_proj",
-            "fc1", "fc2",
-        ),
-        attn_out="self_attn.out_proj",
-        attention="self_attn", qkv=("q_proj", "k_proj", "v_proj"), head_counts=("num_heads",),
-        tail=("decoder.final_layer_norm", "decoder.project_out"),
-    ),
-    Family(
-        name="llama", model_types=("llama", "mistral"), front=("embed_tokens", "rotary_emb"),
-        blocks="layers", linears=_LLAMA_LINEARS, attn_out="self_attn.o_proj",
-        attention="self_attn", qkv=("q_proj", "k_proj", "v_proj"),
-        kv_heads_key="num_key_value_heads", head_dim_key="head_dim", head_groups="num_key_value_groups", tail=("norm",),
-    ),
+    Family(name="gpt2", model_types=("gpt2",), attn_out="attn.c_proj", attention="attn", qkv=("c_attn",),
+           head_counts=("num_heads",), head_widths=("split_size",)),
+    Family(name="gpt-neo", model_types=("gpt_neo",), attn_out="attn.attention.out_proj", attention="attn.attention",
+           qkv=("q_proj", "k_proj", "v_proj"), head_counts=("num_heads",)),
+    Family(name="opt", model_types=("opt",), attn_out="self_attn.out_proj", attention="self_attn",
+           qkv=("q_proj", "k_proj", "v_proj"), head_counts=("num_heads",)),
+    Family(name="llama", model_types=("llama", "mistral"), attn_out="self_attn.o_proj", attention="self_attn",
+           qkv=("q_proj", "k_proj", "v_proj"), kv_heads_key="num_key_value_heads", head_dim_key="head_dim",
+           head_groups="num_key_value_groups"),
+    # Encoders (text classifiers, Diff-Pruning): not causal LMs, so their structure is stated here.
     Family(
         name="bert", model_types=("bert", "roberta"), front=("embeddings",), blocks="encoder.layer",
         linears=(
@@ -147,22 +152,82 @@ FAMILIES: tuple[Family, ...] = (
         ),
         attn_out="attention.output.dense",
         attention="attention.self", qkv=("query", "key", "value"),
-        head_counts=("num_attention_heads",), head_widths=("all_head_size",),
+        head_counts=("num_attention_heads",), head_widths=("all_head_size",), tail=(),
     ),
 )
 
+_STRUCTURE = ("front", "blocks", "linears", "tail")
+#: Families found from the model, by model object (a model keeps its structure while it lives).
+_FOUND: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
-def family_of(model: nn.Module) -> Family:
-    """The table row for ``model.config.model_type``; unknown types raise :class:`UserError`."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    for family in FAMILIES:
-        if model_type in family.model_types:
-            return family
-    supported = ", ".join(t for f in FAMILIES for t in f.model_types)
-    raise UserError(
-        f"model type {model_type!r} is not supported for pruning; supported: {supported} "
-        "(add a row to fairprune.families.FAMILIES for a new family)"
-    )
+
+def family_of(model: nn.Module, load=None, device="cpu") -> Family:
+    """The complete row of ``model``: the table's row where it has one, the structure of a causal LM
+    found from the model (:func:`fairprune.causal.structure.discover`; ``load`` and ``device`` as
+    there, for a model whose weights are not resident) and, for a family the table does not list,
+    the head layout read from its attention module (:func:`generic_heads`). A model that cannot be
+    read block by block raises :class:`UserError` saying why."""
+    found = _FOUND.get(model)
+    if found is not None:
+        return found
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    row = next((f for f in FAMILIES if model_type in f.model_types), None)
+    if row is not None and all(getattr(row, k) is not None for k in _STRUCTURE):
+        return row
+    if not hasattr(model, "get_output_embeddings") or model.get_output_embeddings() is None:
+        raise UserError(f"model type {model_type!r} is not a causal LM (no output head); the LM methods take a "
+                        "*ForCausalLM model, and the encoder families are: bert, roberta")
+    if load is None and any(p.device.type == "meta" for p in model.parameters()):
+        return _merged(row, model, _static(model))  # weights not loaded: the layers by kind, not cached
+    family = _merged(row, model, discover(model, load, device))
+    _FOUND[model] = family
+    return family
+
+
+def _merged(row: Family | None, model: nn.Module, found: Structure) -> Family:
+    row = row or generic_heads(model, found)
+    fields = {k: getattr(found, k) for k in _STRUCTURE if getattr(row, k) is None}
+    return replace(row, **fields, returns_tuple=found.returns_tuple)
+
+
+def _static(model: nn.Module) -> Structure:
+    """The blocks and their linear layers without running the model (module order; no front or tail)."""
+    path, blocks = find_blocks(model)
+    linears = tuple(n for n, m in blocks[0].named_modules() if isinstance(m, LINEAR_TYPES))
+    return Structure(blocks=path, front=(), tail=(), linears=linears, returns_tuple=False)
+
+
+def generic_heads(model: nn.Module, found: Structure) -> Family:
+    """A row for a family the table does not list: its name, and where its heads are when block 0
+    has an attention module with separate ``q_proj`` / ``k_proj`` / ``v_proj`` or one fused
+    ``qkv_proj``, and an ``o_proj`` (the transformers naming of Llama's descendants: Qwen, Gemma,
+    Phi-3, ...), with the head counts in the config. Otherwise the row has no head layout
+    (:meth:`Family.require_heads` says so)."""
+    config = model.config
+    model_type = str(getattr(config, "model_type", type(model).__name__))
+    plain = Family(name=model_type, model_types=(model_type,))
+    if not hasattr(config, "num_attention_heads"):
+        return plain
+    block = _get(_base(model), found.blocks)[0]
+    for path, module in block.named_modules():
+        children = {n for n, m in module.named_children() if isinstance(m, LINEAR_TYPES)}
+        if "o_proj" not in children:
+            continue
+        qkv = ("q_proj", "k_proj", "v_proj") if {"q_proj", "k_proj", "v_proj"} <= children else \
+            ("qkv_proj",) if "qkv_proj" in children else None
+        if qkv is None:
+            continue
+        kv_key = "num_key_value_heads" if getattr(config, "num_key_value_heads", None) else None
+        return replace(
+            plain, attention=path, attn_out=f"{path}.o_proj" if path else "o_proj", qkv=qkv, kv_heads_key=kv_key,
+            # the saved config can state a head count of its own only where it states head_dim apart
+            head_dim_key="head_dim" if "head_dim" in config.to_dict() else None,
+            head_counts=tuple(a for a in ("num_heads",) if isinstance(getattr(module, a, None), int)),
+            head_groups="num_key_value_groups" if hasattr(module, "num_key_value_groups") else None,
+            kv_head_counts=tuple(a for a in ("num_key_value_heads",) if isinstance(getattr(module, a, None), int)),
+        )
+    return plain
 
 
 def linear_weight(layer: nn.Module) -> torch.Tensor:

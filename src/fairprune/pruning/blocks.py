@@ -4,7 +4,7 @@ Every post-training step — capturing block 0's inputs, the layer-by-layer cali
 the perplexity and pair measurements, the dense cache's weights digest — sees a model as
 
 - ``model``: the transformers module (its parameters real, or on ``meta`` until loaded),
-  ``family`` (its row of :data:`fairprune.families.FAMILIES`) and ``blocks``;
+  ``family`` (its row, structure found from the model: :func:`fairprune.families.family_of`) and ``blocks``;
 - :meth:`front_modules` (embeddings), the blocks, :meth:`tail_modules` (final norm, then the head);
 - :meth:`loaded`: a context in which the given parts are resident on the compute device;
 - :meth:`state_of` (a part's state-dict entries under their full names) and :meth:`tensors`
@@ -43,11 +43,11 @@ class BlockModel:
 
     streamed = False
 
-    def __init__(self, model: nn.Module, source: str):
+    def __init__(self, model: nn.Module, source: str, load=None):
         self.model, self.config, self.source = model, model.config, source
-        self.family = family_of(model)
-        self.blocks = list(self.family.block_list(model))
         self._prefix = {id(m): name for name, m in model.named_modules()}
+        self.family = family_of(model, load)  # ``load``: how discovery makes parts resident (streamed)
+        self.blocks = list(self.family.block_list(model))
 
     def prefix(self, module: nn.Module) -> str:
         """The state-dict prefix of a submodule (``"model.layers.3."``)."""
@@ -61,6 +61,19 @@ class BlockModel:
     def tail_modules(self) -> list[nn.Module]:
         """The modules that run after the last block, the head last."""
         return self.family.tail_modules(self.model)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits for final hidden states (after the tail; the head loaded): the
+        head and whatever the model's own forward does after it (Gemma's soft-capping)."""
+        from fairprune.causal.structure import head_logits
+
+        return head_logits(self.model, self.owner, hidden)
+
+    @property
+    def owner(self) -> nn.Module:
+        """The module whose forward runs the blocks (``LlamaModel``, OPT's decoder)."""
+        parent, _, _ = self._prefix[id(self.family.block_list(self.model))].rpartition(".")
+        return self.model.get_submodule(parent)
 
     def state_of(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """The (loaded) state-dict entries of ``module`` under their full names."""

@@ -2,9 +2,10 @@
 
 The loop that SparseGPT, Debias-SparseGPT and Wanda share:
 
-1. run the model up to block 0 and keep what block 0 receives — hidden states plus the
-   positional and keyword arguments it is called with (attention mask, rotary position
-   embeddings, ...) — by raising from a forward pre-hook on block 0;
+1. run the model's own forward with every block a stub and keep what block 0 receives (the
+   hidden states) and the positional and keyword arguments *each* block is called with
+   (attention mask, rotary position embeddings, ...): layers may differ (Gemma alternates
+   sliding-window and global attention, each with its own mask and rotary tables);
 2. for each block: load it (:meth:`~fairprune.pruning.blocks.Resident.loaded`), hook its
    prunable layers to accumulate statistics, run every calibration batch through it, prune each
    layer from its statistics, then run the batches through the *pruned* block to get the next
@@ -37,6 +38,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fairprune import distributed
+from fairprune.causal.structure import BlockCall, block_calls
 from fairprune.pruning.blocks import as_blocks
 
 #: Aligned pairs per calibration batch: one forward of 2·32 sentences, one statistics term.
@@ -55,11 +57,12 @@ class CalibInput:
 
 @dataclass
 class BlockInput:
-    """What one block is called with for one calibration batch."""
+    """What the blocks are called with for one calibration batch: the current hidden states, and
+    each block's other arguments as the model passes them to that block (its own attention mask
+    and rotary embeddings where layers differ, Gemma's sliding-window and global layers)."""
 
     hidden: torch.Tensor
-    args: tuple
-    kwargs: dict
+    calls: list[BlockCall]
     source: CalibInput
 
 
@@ -120,40 +123,32 @@ def rank_inputs(
             *distributed.shard(make_inputs(None, pairs, batch_size, pair_batch_size))]
 
 
-class _Captured(Exception):
-    """Raised from block 0's pre-hook: the rest of the model need not run."""
-
-
 @torch.no_grad()
 def capture_block_inputs(model, inputs: list[CalibInput], device) -> list[BlockInput]:
-    """Run each batch through the embedding front (loaded for the time it runs) and keep block
-    0's call arguments. ``model``: an ``nn.Module`` or a block model (:mod:`fairprune.pruning.blocks`)."""
+    """Run each batch through the embedding front (loaded for the time it runs) and keep block 0's
+    input and every block's call arguments (:func:`fairprune.causal.structure.block_calls`: the
+    model's own forward with the blocks as stubs, so no block runs). ``model``: an ``nn.Module`` or
+    a block model (:mod:`fairprune.pruning.blocks`)."""
     blocks = as_blocks(model)
     captured: list[BlockInput] = []
-
-    def grab(module, args, kwargs):
-        kwargs = dict(kwargs)
-        hidden = args[0] if args else kwargs.pop("hidden_states")
-        captured.append(BlockInput(hidden, tuple(args[1:]), kwargs, current))
-        raise _Captured
-
     with blocks.loaded(*blocks.front_modules(), device=device):
-        handle = blocks.blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
-        try:
-            for current in inputs:
-                try:
-                    padded = {} if current.attention is None else {"attention_mask": current.attention.to(device)}
-                    blocks.model(input_ids=current.ids.to(device), **padded, use_cache=False)
-                except _Captured:
-                    pass
-        finally:
-            handle.remove()
+        for current in inputs:
+            padded = {} if current.attention is None else {"attention_mask": current.attention.to(device)}
+            hidden, calls = block_calls(blocks.model, blocks.blocks, blocks.family.returns_tuple,
+                                        input_ids=current.ids.to(device), **padded)
+            captured.append(BlockInput(hidden, calls, current))
     return captured
 
 
-def run_block(block: nn.Module, batches: list[BlockInput]) -> list[BlockInput]:
-    """Every batch through ``block``: the next block's inputs."""
-    return [replace(b, hidden=_hidden(block(b.hidden, *b.args, **b.kwargs))) for b in batches]
+def run_block(index: int, block: nn.Module, batches: list[BlockInput]) -> list[BlockInput]:
+    """Every batch through block ``index``: the next block's inputs."""
+    return [replace(b, hidden=_hidden(call_block(index, block, b))) for b in batches]
+
+
+def call_block(index: int, block: nn.Module, b: BlockInput):
+    """Block ``index`` called on batch ``b`` with the arguments the model gives that block."""
+    call = b.calls[index]
+    return block(b.hidden, *call.args, **call.kwargs)
 
 
 @torch.no_grad()
@@ -181,17 +176,17 @@ def run_layerwise(
             layers = {f"{index}.{name}": layer for name, layer in blocks.family.block_linears(block).items()}
             stats = {name: make_stat(name, layer) for name, layer in layers.items()} if batches is not None else {}
             if batches is not None:
-                _collect(block, layers, stats, batches)
+                _collect(index, block, layers, stats, batches)
             for name, layer in layers.items():
                 prune(name, layer, stats.pop(name, None))
             if batches is not None and index + 1 < len(blocks.blocks):
-                batches = run_block(block, batches)
+                batches = run_block(index, block, batches)
             if after is not None:
                 after(index, block, layers)
     blocks.model.train(was_training)
 
 
-def _collect(block: nn.Module, layers: dict, stats: dict, batches: list[BlockInput], share: bool = True) -> None:
+def _collect(index: int, block: nn.Module, layers: dict, stats: dict, batches: list[BlockInput], share: bool = True) -> None:
     """Run every batch through ``block`` with hooks feeding each layer's input to its statistic.
 
     Layers that read the very same input tensor (a Llama block's q, k and v projections; its gate
@@ -233,7 +228,7 @@ def _collect(block: nn.Module, layers: dict, stats: dict, batches: list[BlockInp
         for b in batches:
             current[:] = [b.source]
             fed.clear()
-            block(b.hidden, *b.args, **b.kwargs)
+            call_block(index, block, b)
     finally:
         fed.clear()
         for handle in handles:

@@ -72,6 +72,7 @@ class HeadGates:
 
     def __init__(self, model: nn.Module):
         self.family = family_of(model)
+        self.family.require_heads()
         self.blocks = list(self.family.block_list(model))
         self.head_dim = self.family.head_dim(model.config)
         self.values = torch.ones(len(self.blocks), self.family.num_heads(model.config))
@@ -217,6 +218,7 @@ class _LayerPlan:
 def remove_heads(model: nn.Module, heads: Iterable[Head], loadable: bool = True) -> HeadRemoval:
     """Prune ``heads`` from ``model`` in place (see the module docstring for ``loadable``)."""
     family = family_of(model)
+    family.require_heads()
     config = model.config
     blocks = family.block_list(model)
     n_heads, n_kv, head_dim = family.num_heads(config), family.num_kv_heads(config), family.head_dim(config)
@@ -306,6 +308,8 @@ def _apply(family: Family, block: nn.Module, plan: _LayerPlan, n_heads: int, n_k
         setattr(attention, name, len(plan.q_keep) * head_dim)
     if family.head_groups:
         setattr(attention, family.head_groups, len(plan.q_keep) // len(plan.kv_keep))
+    for name in family.kv_head_counts:
+        setattr(attention, name, len(plan.kv_keep))
 
 
 def _rows(heads: list[int], head_dim: int) -> list[int]:

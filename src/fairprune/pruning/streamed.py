@@ -75,25 +75,27 @@ class StreamedModel(BlockModel):
             raise UserError(f"cannot build the model of '{source}'{hint}: {' '.join(str(err).split())[:200]}") from None
         model.tie_weights()  # empty-weight construction leaves tied weights as two parameters
         model.eval().requires_grad_(False)
-        super().__init__(model, source)
-        if not self.family.tail:
-            raise UserError(f"--stream true reads causal LMs block by block; the {self.family.name} family has no "
-                            "causal head: run it in memory (--stream false)")
         groups: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             groups.setdefault(id(p), []).append(name)
         self._aliases = {name: names for names in groups.values() for name in names}
         self._keys: dict[str, str] = {}
+        self.model, self.source = model, source
+        self._check_shapes()
+        # the structure is found by a skeleton forward with the front and block 0 read from the files
+        super().__init__(model, source, load=self.loaded)
         self._check_stored()
 
-    def _check_stored(self) -> None:
-        """Before any work: every parameter is in the checkpoint with the shape the config implies,
-        and the prunable layers' weights are stored as floating point."""
+    def _check_shapes(self) -> None:
+        """Before any work: every parameter is in the checkpoint with the shape the config implies."""
         for name, param in self.model.named_parameters():
             shape = self.reader.info(self.key(name))[1]
             if shape != tuple(param.shape):
                 raise UserError(f"tensor {self.key(name)} of '{self.source}' has shape {list(shape)}, its config.json "
                                 f"says {list(param.shape)}; the weights do not match the config (copy the folder again)")
+
+    def _check_stored(self) -> None:
+        """Before any work: the prunable layers' weights are stored as floating point."""
         weights = [self.key(self.prefix(layer) + "weight") for block in self.blocks
                    for layer in self.family.block_linears(block).values()]
         refuse_nonfloat({key: self.reader.stored_dtype(key) for key in weights}, self.source)
@@ -237,9 +239,10 @@ class StreamedModel(BlockModel):
         """Load the parameters of ``modules`` from the checkpoint (in the model's dtype, on
         ``device``), checked finite; back on ``meta`` when the block ends, whatever happens."""
         restore: list[tuple[nn.Module, str, nn.Parameter]] = []
+        names = getattr(self, "_prefix", None) or {id(m): n for n, m in self.model.named_modules()}
         try:
             for module in modules:
-                prefix = self.prefix(module)
+                prefix = f"{names[id(module)]}." if names[id(module)] else ""
                 for name, param in list(module.named_parameters(remove_duplicate=False)):
                     if param.device.type != "meta":
                         continue
@@ -275,9 +278,9 @@ class StreamedModel(BlockModel):
         call (``input_ids`` and optionally ``attention_mask``), every block loaded once for all of them."""
         inputs = [CalibInput(call["input_ids"], attention=call.get("attention_mask")) for call in calls]
         batches = capture_block_inputs(self, inputs, device)
-        for block in tqdm(self.blocks, desc=desc, unit="block", leave=False, disable=not progress):
+        for index, block in enumerate(tqdm(self.blocks, desc=desc, unit="block", leave=False, disable=not progress)):
             with self.loaded(block, device=device):
-                batches = run_block(block, batches)
+                batches = run_block(index, block, batches)
         tails = self.tail_modules()[:-1]
         out = []
         with self.loaded(*tails, device=device):
@@ -296,8 +299,9 @@ class StreamedModel(BlockModel):
         return measure_streamed(self, tokenizer, ids, pairs, window, device, progress=progress)
 
     @contextlib.contextmanager
-    def head(self, device) -> Iterator[nn.Module]:
-        """The output head, loaded for the time of the block."""
+    def head(self, device) -> Iterator[Any]:
+        """The logits of final hidden states (:meth:`logits`), the output head loaded for the time
+        of the block."""
         head = self.model.get_output_embeddings()
         with self.loaded(head, device=device):
-            yield head
+            yield self.logits

@@ -11,9 +11,10 @@ block are computed once for all windows (:class:`PrefixStates`, advancing one la
 time) and each configuration runs only blocks ``l ..``. Blocks are run through the model's own
 forward with its block list temporarily cut to ``blocks[l:]`` and the stored states put in place of
 the first block's input, so each family's embeddings, position ids, rotary tables and attention
-masks are made by its own code; this works for every family of :data:`fairprune.families.FAMILIES`
-with a causal LM head (GPT-2, GPT-Neo, OPT, Llama, Mistral), which the tests check against the
-full forward. The loss is summed as :func:`fairprune.metrics.language.perplexity` sums it (float32
+masks are made by its own code, and the logits by its own forward after the blocks (the head and,
+for Gemma, the final soft-capping: :func:`fairprune.causal.structure.head_logits`); this works for
+every causal LM whose heads :func:`fairprune.families.family_of` locates, which the tests check
+against the full forward for every family they build. The loss is summed as :func:`fairprune.metrics.language.perplexity` sums it (float32
 per batch of ``batch_size`` windows, added in float64 in window order), so on a CPU both give the
 same number bit for bit.
 
@@ -31,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fairprune.causal.structure import head_logits
 from fairprune.errors import UserError
 from fairprune.families import family_of
 from fairprune.pruning.heads import HeadGates
@@ -75,10 +77,7 @@ def _cut(model: nn.Module, start: int, stop: int, state: torch.Tensor | None, ca
     input of block ``start``) is raised as :class:`_Captured`."""
     family = family_of(model)
     blocks = family.block_list(model)
-    *parents, name = family.blocks.split(".")
-    owner = model.base_model
-    for part in parents:
-        owner = getattr(owner, part)
+    owner, name = _owner(model, family), family.blocks.rpartition(".")[2]
     handles = []
     kept = list(blocks)[start:stop] if stop > start else [blocks[start]]
 
@@ -106,6 +105,12 @@ def _cut(model: nn.Module, start: int, stop: int, state: torch.Tensor | None, ca
         setattr(owner, name, blocks)
         for handle in handles:
             handle.remove()
+
+
+def _owner(model: nn.Module, family) -> nn.Module:
+    """The module whose forward runs the blocks (the parent of the blocks' ``ModuleList``)."""
+    parent = family.blocks.rpartition(".")[0]
+    return model.base_model.get_submodule(parent) if parent else model.base_model
 
 
 def _run(model: nn.Module, ids: torch.Tensor, start: int, stop: int, state: torch.Tensor | None) -> torch.Tensor:
@@ -167,8 +172,9 @@ def perplexities(model: nn.Module, ids: torch.Tensor, seqlen: int, batch_size: i
     ``reuse``, a dict the caller keeps between calls on the same model and text, carries the
     prefix states over (cheapest when later calls start at the same or a deeper layer)."""
     windows = windows_of(model, ids, seqlen)
-    layers = len(family_of(model).block_list(model))
-    head = model.get_output_embeddings()
+    family = family_of(model)
+    layers = len(family.block_list(model))
+    owner = _owner(model, family)
     reuse = {} if reuse is None else reuse
     if "states" not in reuse:
         reuse["states"] = PrefixStates(model, windows, rows_per_pass)
@@ -190,7 +196,7 @@ def perplexities(model: nn.Module, ids: torch.Tensor, seqlen: int, batch_size: i
                     hidden = _run(model, torch.cat([windows[a:b] for _, (a, b) in chunk]), start, layers, rows)
                 offset = 0
                 for c, (a, b) in chunk:
-                    logits = head(hidden[offset : offset + b - a]).float()
+                    logits = head_logits(model, owner, hidden[offset : offset + b - a]).float()
                     offset += b - a
                     batch = windows[a:b]
                     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="none")

@@ -1,0 +1,1 @@
+"""Causal language models as the pipeline sees them: structure found from the model itself."""
