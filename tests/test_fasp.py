@@ -318,7 +318,8 @@ def test_generation_is_the_same_in_any_batch(tokenizer):
     assert together[0][:3] == generate_continuations(model, tokenizer, texts[:3], settings)  # one prompt's draws are its own
 
 
-@pytest.mark.parametrize("model_type", ["gpt2", "gpt_neo", "opt", "llama", "mistral"])
+@pytest.mark.parametrize("model_type", ["gpt2", "gpt_neo", "opt", "llama", "mistral", "qwen2", "qwen3", "gemma2",
+                                        "gemma3_text", "phi3"])
 def test_prefix_reuse_gives_the_full_forward_perplexity(model_type):
     """Every causal family: the perplexity of each configuration from the stored layer-boundary
     states equals :func:`perplexity` with those heads gated off."""

@@ -9,8 +9,8 @@ Perplexity reuses prefixes: a configuration whose first switched-off head is in 
 computes exactly what the unchanged model computes below ``l``. The hidden states entering each
 block are computed once for all windows (:class:`PrefixStates`, advancing one layer boundary at a
 time) and each configuration runs only blocks ``l ..``. Blocks are run through the model's own
-forward with its block list temporarily cut to ``blocks[l:]`` and the stored states put in place of
-the first block's input, so each family's embeddings, position ids, rotary tables and attention
+forward with the blocks before ``l`` passing their input on and the stored states put in place of
+block ``l``'s input, so each family's embeddings, position ids, rotary tables and attention
 masks are made by its own code, and the logits by its own forward after the blocks (the head and,
 for Gemma, the final soft-capping: :func:`fairprune.causal.structure.head_logits`); this works for
 every causal LM whose heads :func:`fairprune.families.family_of` locates, which the tests check
@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fairprune.causal.structure import head_logits
+from fairprune.causal.structure import head_logits, stubbed
 from fairprune.errors import UserError
 from fairprune.families import family_of
 from fairprune.pruning.heads import HeadGates
@@ -74,12 +74,13 @@ class _Captured(Exception):
 def _cut(model: nn.Module, start: int, stop: int, state: torch.Tensor | None, capture: bool) -> Iterator[None]:
     """Within the block, ``model`` runs only blocks ``[start, stop)``; the first takes ``state`` as its
     input (when given); with ``capture`` the last block's output (or, for an empty range, the
-    input of block ``start``) is raised as :class:`_Captured`."""
+    input of block ``start``) is raised as :class:`_Captured`. The blocks before ``start`` stay in
+    the model's list as stubs that pass the hidden states on, so every block keeps its index and
+    gets the arguments the model gives that layer (Gemma's sliding-window and global layers)."""
     family = family_of(model)
-    blocks = family.block_list(model)
-    owner, name = _owner(model, family), family.blocks.rpartition(".")[2]
+    blocks = list(family.block_list(model))
     handles = []
-    kept = list(blocks)[start:stop] if stop > start else [blocks[start]]
+    kept = blocks[start:stop] if stop > start else [blocks[start]]
 
     def inject(module, args, kwargs):
         if args:
@@ -92,17 +93,20 @@ def _cut(model: nn.Module, start: int, stop: int, state: torch.Tensor | None, ca
     def catch_output(module, args, output):
         raise _Captured(output[0] if isinstance(output, tuple) else output)
 
+    def passthrough(index, args, kwargs):
+        hidden = args[0] if args else kwargs["hidden_states"]
+        return (hidden,) if family.returns_tuple else hidden
+
     if state is not None:
         handles.append(kept[0].register_forward_pre_hook(inject, with_kwargs=True))
     if capture and stop <= start:
         handles.append(kept[0].register_forward_pre_hook(catch_input, with_kwargs=True))
     elif capture:
         handles.append(kept[-1].register_forward_hook(catch_output))
-    setattr(owner, name, nn.ModuleList(kept))
     try:
-        yield
+        with stubbed(blocks[:start], passthrough):
+            yield
     finally:
-        setattr(owner, name, blocks)
         for handle in handles:
             handle.remove()
 
