@@ -226,3 +226,30 @@ def test_fasp_removes_heads_of_grouped_and_fused_attention(lm_folders, model_typ
     report = json.loads((out / "report.json").read_text())
     assert len(report["heads_removed"]) == 2  # 2 layers × 4 heads: ⌊0.25·8⌋
     assert AutoModelForCausalLM.from_pretrained(out).config.model_type == model_type
+
+
+def test_the_override_row_of_the_docs_works(monkeypatch):
+    """docs/extending.md's example row, run as written: GPT-J's heads located, its MLP alone pruned."""
+    import transformers as tf
+
+    from fairprune import families
+    from fairprune.pruning.heads import HeadGates, remove_heads
+
+    text = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()
+    snippet = text.split("## Model families", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    monkeypatch.setattr(families, "FAMILIES", families.FAMILIES)
+    exec(compile(snippet, "extending.md", "exec"), {})
+    torch.manual_seed(0)
+    model = tf.GPTJForCausalLM(tf.GPTJConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, rotary_dim=4,
+                                             n_positions=64, bos_token_id=0, eos_token_id=0)).eval()
+    family = families.family_of(model)
+    assert family.linears == ("mlp.fc_in", "mlp.fc_out") and family.front == ("wte", "rotary_emb")
+    ids = torch.randint(0, VOCAB, (1, 10), generator=torch.Generator().manual_seed(1))
+    gates = HeadGates(model)
+    with torch.no_grad(), gates, gates.off([(0, 1)]):
+        gated = model(ids).logits
+    remove_heads(model, [(0, 1)])
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, gated)
+    report = prune_causal_lm(model, "sparsegpt", Sparsity.parse("0.5"), calib_ids=ids, progress=False)
+    assert sorted(report["layers"]) == ["0.mlp.fc_in", "0.mlp.fc_out", "1.mlp.fc_in", "1.mlp.fc_out"]
