@@ -29,7 +29,7 @@ from fairprune.pruning.llm import prune_causal_lm
 from fairprune.pruning.sparsity import Sparsity
 from fairprune.pruning.streamed import StreamedModel
 from test_llm_pruning import obs_oracle
-from tiny_models import BUILDERS, VOCAB, builder
+from tiny_models import BUILDERS, VOCAB, builder, write_gguf
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -253,3 +253,31 @@ def test_the_override_row_of_the_docs_works(monkeypatch):
         assert torch.equal(model(ids).logits, gated)
     report = prune_causal_lm(model, "sparsegpt", Sparsity.parse("0.5"), calib_ids=ids, progress=False)
     assert sorted(report["layers"]) == ["0.mlp.fc_in", "0.mlp.fc_out", "1.mlp.fc_in", "1.mlp.fc_out"]
+
+
+def test_a_gguf_file_of_another_architecture_prunes_and_scores_tasks(tmp_path, monkeypatch):
+    """A Qwen2 GGUF file (not the packaged SmolLM2): converted once, then pruned by SparseGPT and
+    Debias-SparseGPT and measured with --tasks, offline, as the README's commands run it."""
+    from fairprune.data.text import lm_corpus, train_bpe_tokenizer
+
+    monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path / "cache"))
+    corpus = lm_corpus(train_docs=40, validation_docs=6, seed=3)
+    tokenizer = train_bpe_tokenizer(corpus.train, 300, tmp_path / "tok")
+    (tmp_path / "eval.txt").write_text(corpus.validation)
+    eos = tokenizer.eos_token_id
+    torch.manual_seed(0)
+    model = builder("qwen2", vocab_size=len(tokenizer), bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+                    tie_word_embeddings=False)().eval()
+    write_gguf(model, tokenizer, tmp_path / "qwen2-tiny.gguf")
+    common = ["--model", str(tmp_path / "qwen2-tiny.gguf"), "--eval_text", str(tmp_path / "eval.txt"), "--nsamples", "4",
+              "--seqlen", "32", "--eval_tokens", "512", "--device", "cpu", "--quiet"]
+    for method in ("sparsegpt", "debias-sparsegpt"):
+        out = tmp_path / method
+        assert prune_main([method, *common, "--tasks", "[mmlu]", "--limit", "8", "--output", str(out)]) == 0
+        report = json.loads((out / "report.json").read_text())
+        assert report["achieved_sparsity"] == pytest.approx(0.5) and 0 <= report["metrics"]["mmlu/acc"] <= 1
+    converted = next((tmp_path / "cache" / "models").glob("qwen2-tiny-*"))
+    dense = AutoModelForCausalLM.from_pretrained(converted).eval()
+    ids = torch.randint(0, len(tokenizer), (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(dense(ids).logits, model(ids).logits)  # the round trip through GGUF is exact in float32

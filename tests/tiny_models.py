@@ -73,3 +73,41 @@ def tiny_gpt2_folder(root) -> str:
     tokenizer.save_pretrained(root / "dense")
     (root / "eval.txt").write_text(corpus.validation)
     return corpus.validation
+
+
+def write_gguf(model, tokenizer, path) -> None:
+    """``model`` (a llama.cpp-named architecture: qwen2, ...) and its byte-level BPE ``tokenizer``
+    as a float32 GGUF file, tensors named by the ``gguf`` package's own map: the file a user's
+    llama.cpp conversion gives, made offline."""
+    import json
+
+    import gguf
+
+    config = model.config
+    arch = next(a for a, name in gguf.MODEL_ARCH_NAMES.items() if name == config.model_type)
+    names = gguf.get_tensor_name_map(arch, config.num_hidden_layers)
+    writer = gguf.GGUFWriter(str(path), config.model_type)
+    writer.add_context_length(config.max_position_embeddings)
+    writer.add_embedding_length(config.hidden_size)
+    writer.add_block_count(config.num_hidden_layers)
+    writer.add_feed_forward_length(config.intermediate_size)
+    writer.add_head_count(config.num_attention_heads)
+    writer.add_head_count_kv(config.num_key_value_heads)
+    writer.add_rope_freq_base(float(config.rope_parameters["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.rms_norm_eps)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    tokens = [t for t, _ in sorted(spec["model"]["vocab"].items(), key=lambda kv: kv[1])]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(config.model_type)
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.NORMAL] * len(tokens))
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]])
+    writer.add_bos_token_id(tokenizer.eos_token_id)
+    writer.add_eos_token_id(tokenizer.eos_token_id)
+    for name, tensor in model.state_dict().items():
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
