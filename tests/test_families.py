@@ -281,3 +281,20 @@ def test_a_gguf_file_of_another_architecture_prunes_and_scores_tasks(tmp_path, m
     ids = torch.randint(0, len(tokenizer), (1, 12), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         assert torch.equal(dense(ids).logits, model(ids).logits)  # the round trip through GGUF is exact in float32
+
+
+def test_fasp_on_attention_it_cannot_cut_is_one_line_before_any_work(lm_folders, tmp_path, capsys):
+    import transformers as tf
+
+    from cli_output import last_error
+
+    torch.manual_seed(0)
+    folder = tmp_path / "gptj"
+    tf.GPTJForCausalLM(tf.GPTJConfig(n_layer=2, n_embd=32, n_head=4, vocab_size=300, rotary_dim=4, n_positions=64,
+                                     bos_token_id=0, eos_token_id=0)).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).write_bytes((lm_folders["qwen2"] / name).read_bytes())
+    code = prune_main(["fasp", "--model", str(folder), "--output", str(tmp_path / "out"), "--quiet"])
+    assert code == 2
+    assert "gptj family's attention was not recognised" in last_error(capsys)
+    assert not (tmp_path / "out").exists()

@@ -21,6 +21,7 @@ from fairprune.data.files import read_calib_text, read_text
 from fairprune.data.prompts import read_prompts
 from fairprune.data.text import render_calib_text
 from fairprune.errors import UserError
+from fairprune.families import family_of
 from fairprune.hub import load_model, load_tokenizer, resolve_device
 from fairprune.hub.checks import check_input_model, saved_bytes
 from fairprune.pruning import registry
@@ -44,6 +45,7 @@ def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alph
 
     model = load_model(lm.model, "causal-lm", lm.trust_remote_code, dtype=lm.dtype)
     check_input_model(model, lm.model)  # before any work: NaN / inf weights cannot be scored
+    family_of(model).require_heads(f"prune.py {method}")  # before any work: where its heads are
     check_free_space(output, saved_bytes(model, tokenizer))
     model = model.to(resolve_device(lm.device))
     talk = machine.progress and distributed.is_main()
