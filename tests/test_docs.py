@@ -168,7 +168,8 @@ def test_the_site_builds_strict(tmp_path):
 
 VISION_FAST = {"limit_train_batches": 2, "limit_val_batches": 1, "limit_test_batches": 1, "accelerator": "cpu",
                "enable_progress_bar": False, "enable_model_summary": False}
-NAMED_BY_DATA = {"groups", "runs", "figures", "comparison", "aggregate"}  # their keys are groups, layers, cells, tasks
+NAMED_BY_DATA = {"groups", "runs", "figures", "comparison", "aggregate",  # their keys are groups, layers, cells, tasks
+                 "versions"}  # environment.versions: distribution names
 
 
 @pytest.fixture(scope="module")
@@ -257,3 +258,22 @@ def test_every_report_key_is_in_the_outputs_page(reports):
     assert {"channels_kept", "deploy", "ci", "reference", "dense"} <= set(reports["vision compare cell"])
     assert {"paired", "tasks", "weights", "memory"} <= set(reports["LM compare cell"]) and "dto" in reports["LM compare"]
     assert {"size", "removal", "paired"} <= set(reports["fasp"])
+
+
+def test_every_report_records_the_versions_and_the_machine_it_ran_on(reports):
+    """Each kind of report (a fit, vision and LM compare cells and compares, evaluate, FASP) names
+    the installed libraries, torch by its real version, and the hardware, under ``environment``."""
+    import os
+
+    import torch
+
+    for name, report in reports.items():
+        environment = report.get("environment")
+        assert isinstance(environment, dict), f"{name}: no environment"
+        versions, hardware = environment["versions"], environment["hardware"]
+        assert versions["torch"] == torch.__version__, name
+        assert all(isinstance(versions[lib], str) for lib in ("fairprune", "torchvision", "lightning", "torchmetrics",
+                                                             "transformers", "lm_eval", "numpy", "accelerate",
+                                                             "compressed-tensors", "python")), (name, versions)
+        assert hardware["logical_cores"] == os.cpu_count() and hardware["torch_threads"] >= 1, (name, hardware)
+        assert isinstance(hardware["cpu"], str) and isinstance(hardware["gpus"], list) and hardware["os"], (name, hardware)

@@ -195,6 +195,7 @@ def test_prune_magnitude_leaves_a_card_with_the_report_figures(tmp_path):
     assert metrics["stereotype_score"] == report["metrics"]["stereotype_score"]
     assert card.data.base_model == str(tmp_path / "dense") and "magnitude" in card.data.tags
     assert f"{report['reference']['metrics']['perplexity']:.4f}" in card.text
+    assert f"torch {torch.__version__}" in card.text.split("## Environment")[1]  # the report's environment
 
 
 def test_prune_vision_leaves_a_card_with_the_report_figures(dense_ckpt, tmp_path):
@@ -215,3 +216,4 @@ def test_prune_vision_leaves_a_card_with_the_report_figures(dense_ckpt, tmp_path
     rows = _table(card.text, "group")
     assert len(rows) == 2 + len(report["groups"])
     assert "checkpoints/last.ckpt" in card.text and "load_from_checkpoint" in card.text
+    assert f"torch {report['environment']['versions']['torch']}" in card.text.split("## Environment")[1]

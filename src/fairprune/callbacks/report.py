@@ -15,6 +15,7 @@ import yaml
 
 from fairprune.callbacks.history import continue_metrics
 from fairprune.pruning.masks import achieved_sparsity, prunable_targets, sparsity_table
+from fairprune.reporting.environment import environment
 from fairprune.reporting.model_card import write_model_card
 from fairprune.reporting.report import Report, group_table, markdown, write_json
 from fairprune.storage.atomic import write_csv
@@ -122,6 +123,7 @@ class ReportWriter(L.Callback):
         report.update({"metrics": {}, "groups": {}, "fairness": {}, **results})  # as the module measured them
         report.setdefault("seconds", {})["total"] = self._elapsed()
         report["threads"] = torch.get_num_threads()  # CPU threads torch ran with (train.py / prune.py --threads)
+        report["environment"] = environment()  # library versions and the machine
         if self.resumed is not None:
             report["resumed"] = dict(self.resumed)
         if not trainer.is_global_zero:  # under DDP every process returns the (synced) figures; rank 0 alone writes

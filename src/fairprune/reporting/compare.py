@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fairprune.reporting.curves import plot_sparsity_curve
+from fairprune.reporting.environment import environment
 from fairprune.reporting.headline import headline, rows_of_other_size
 from fairprune.reporting.html import write_html
 from fairprune.reporting.plots import plot_group_accuracy, plot_latency_tradeoff, plot_quality_bias
@@ -168,7 +169,7 @@ def write_comparison(rows: Sequence[Row | dict[str, Any]], output: str | os.Path
     repeated runs; ``paired``: each row's difference against ``baseline`` on the same test items
     (:func:`add_paired`). ``figures`` (``(png path, caption)`` pairs, e.g. the vision compare's plots) are embedded in
     ``report.html`` with the table. ``report.json`` holds ``{"comparison": rows, "threads": torch's
-    CPU threads, **extra}`` (and
+    CPU threads, "environment": library versions and machine, **extra}`` (and
     ``"aggregate"`` for repeated runs); it is written last, so a folder with a ``report.json``
     holds a finished comparison."""
     import pandas as pd
@@ -213,7 +214,7 @@ def write_comparison(rows: Sequence[Row | dict[str, Any]], output: str | os.Path
     write_html(out / "report.html", title, shown, plots, extra, numeric=table, baseline=baseline, index=index)
     import torch  # loaded already by every compare: each comparison says how many CPU threads it ran with
 
-    payload = {"comparison": rows, "threads": torch.get_num_threads(), **(extra or {})}
+    payload = {"comparison": rows, "threads": torch.get_num_threads(), "environment": environment(), **(extra or {})}
     if repeated:
         payload["aggregate"] = table.to_dict(orient="records")
     write_json(out / "report.json", payload)

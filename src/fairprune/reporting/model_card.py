@@ -23,6 +23,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from fairprune.reporting.environment import card_section
 from fairprune.reporting.report import markdown_text
 from fairprune.storage.atomic import write_text
 
@@ -83,6 +84,7 @@ def model_card(report: Mapping[str, Any], config: Mapping[str, Any] | None = Non
     if warnings:
         body += ["## Warnings", "", *(f"- {_text(w)}" for w in warnings), ""]
     body += _settings(report, config, kind)
+    body += card_section(report.get("environment"))
     body += _loading(method, kind, checkpoint, model_class, folder, report.get("granularity") == "channel")
     body += _compressed_weights(report)
     body += ["Written by fairprune from the run's `report.json`, which holds every figure above at full precision."]

@@ -39,6 +39,7 @@ class Report(TypedDict, total=False):
     fairness: dict[str, float]
     reference: dict[str, Any]
     seconds: dict[str, float]
+    environment: dict[str, Any]  # library versions and machine (fairprune.reporting.environment)
 
 
 def _clean(value: Any) -> Any:

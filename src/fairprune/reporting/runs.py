@@ -1,7 +1,7 @@
 """What a pruned LM run leaves on disk, in one place for the commands and the callbacks: the model
 folder (``save_pretrained``, so ``from_pretrained(output)`` loads it), its config, per-layer
 sparsity, plots and, written last, ``report.json`` (which always says how many CPU threads torch ran
-with: ``threads``).
+with, ``threads``, and the library versions and machine, ``environment``).
 
 A run is written beside its folder and swapped in whole (:func:`fairprune.storage.folders.replace_folder`):
 an interrupted save or a full disk leaves the previous run as it was, never a mix of two runs. A
@@ -20,6 +20,7 @@ import yaml
 
 from fairprune.errors import UserError
 from fairprune.hub.checks import nonfinite
+from fairprune.reporting.environment import environment
 from fairprune.reporting.model_card import write_model_card
 from fairprune.reporting.plots import plot_axis_correlation, plot_head_heatmap
 from fairprune.reporting.report import write_json
@@ -89,6 +90,7 @@ def write_run_files(out: Path, report: dict[str, Any], config: dict[str, Any], l
         write_csv(out / "sparsity.csv", pd.DataFrame([{"layer": k, "sparsity": v} for k, v in layers.items()]),
                   index=False)
     write_text(out / "config.yaml", yaml.safe_dump(config, sort_keys=False))
+    report["environment"] = environment()
     write_model_card(out, report, config)  # README.md: the Hub's model card, the run's figures in it
     write_json(out / "report.json", report)
 

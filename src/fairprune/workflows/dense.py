@@ -43,6 +43,7 @@ from fairprune.data.text import encode_sentence
 from fairprune.hub import cache_dir
 from fairprune.metrics.language import STEREOTYPE_KEYS, LMItems
 from fairprune.pruning.blocks import as_blocks
+from fairprune.reporting.environment import environment
 from fairprune.reporting.report import write_json
 
 CACHE_VERSION = 3  # 2: the stereotype score is the CrowS-Pairs metric with its parts; 3: per-item outcomes kept
@@ -225,6 +226,7 @@ def finish_evaluation(report: dict[str, Any], figures: DenseFigures, output: Any
             figures.items.save(output)
         if figures.tasks is not None:
             figures.tasks.items.save(output)
+        report["environment"] = environment()
         write_json(Path(output) / "report.json", report)
     cached = " (from the cache)" if figures.from_cache else ""
     print(f"[evaluate] {model}: perplexity {report['metrics']['perplexity']:.2f}{ci_text(report, 'perplexity', '.2f')}, "
