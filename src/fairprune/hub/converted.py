@@ -64,15 +64,20 @@ def gguf_source(name_or_path: str) -> Path:
     return path.resolve()
 
 
-def converted_folder(name_or_path: str, cache: Path) -> Path:
-    """The plain transformers folder of a GGUF model, converting it into ``cache/models`` first
-    when it is not there yet."""
+def converted_location(name_or_path: str, cache: Path) -> Path:
+    """Where the converted folder of a GGUF model lies (or will lie), nothing converted."""
     source = gguf_source(name_or_path)
     stat = source.stat()
     key = hashlib.sha256(f"{source.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    folder = Path(cache) / "models" / f"{source.stem}-{key}"  # one folder per file, however it is named
+    return Path(cache) / "models" / f"{source.stem}-{key}"  # one folder per file, however it is named
+
+
+def converted_folder(name_or_path: str, cache: Path) -> Path:
+    """The plain transformers folder of a GGUF model, converting it into ``cache/models`` first
+    when it is not there yet."""
+    folder = converted_location(name_or_path, cache)
     if not (folder / MARKER).is_file():
-        convert(source, folder)
+        convert(gguf_source(name_or_path), folder)
     return folder
 
 

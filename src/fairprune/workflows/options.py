@@ -69,9 +69,12 @@ class LMOptions(CalibrationOptions):
 
 
 def model_folder(lm: LMOptions, **_: object) -> str:
-    """The model an LM command reads (``@locked(..., reads=model_folder)``: no output may be it,
-    lie inside it or hold it)."""
-    return lm.model
+    """The places an LM command reads its model from (``@locked(..., reads=model_folder)``: no
+    output may be one, lie inside one or hold one): the ``--model`` value and what it resolves to
+    on disk (a GGUF model's converted folder, a hub name's cached snapshot)."""
+    from fairprune.hub import read_folders
+
+    return read_folders(lm.model)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,81 @@
+"""Faults of issue #38 (third probe): each is one line, before any work, with nothing lost.
+
+- An output equal to, inside or holding what a ``--model`` value resolves to on disk (a GGUF
+  model's converted folder, a hub name's cached snapshot) is refused, not only the literal value.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from cli_output import last_error
+from fairprune.cli.prune import main as prune_main
+from fairprune.hub.converted import MARKER, converted_location
+from tiny_models import builder, tiny_gpt2_folder, write_gguf
+
+FAST = ["--nsamples", "2", "--seqlen", "32", "--device", "cpu", "--quiet", "--dense_cache", "false",
+        "--eval_tokens", "256", "--threads", "1"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("probe3")
+    tiny_gpt2_folder(root)
+    return root
+
+
+def _gguf(tmp_path: Path) -> Path:
+    import torch
+
+    from fairprune.data.text import lm_corpus, train_bpe_tokenizer
+
+    corpus = lm_corpus(train_docs=20, validation_docs=2, seed=3)
+    tokenizer = train_bpe_tokenizer(corpus.train, 300, tmp_path / "tok")
+    torch.manual_seed(0)
+    eos = tokenizer.eos_token_id
+    model = builder("qwen2", vocab_size=len(tokenizer), bos_token_id=eos, eos_token_id=eos, pad_token_id=eos,
+                    tie_word_embeddings=False)()
+    write_gguf(model, tokenizer, tmp_path / "m.gguf")
+    return tmp_path / "m.gguf"
+
+
+@pytest.mark.parametrize("where", ["is", "inside"])
+def test_an_output_in_the_converted_folder_of_a_gguf_model_is_refused(where, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path / "cache"))
+    gguf = _gguf(tmp_path)
+    from fairprune.hub import cache_dir
+
+    converted = converted_location(str(gguf), cache_dir())
+    converted.mkdir(parents=True)
+    (converted / MARKER).write_text("{}")
+    output = converted if where == "is" else converted / "run"
+    assert prune_main(["magnitude", "--model", str(gguf), "--output", str(output), *FAST]) == 2
+    assert "the input" in last_error(capsys)
+    assert sorted(p.name for p in converted.iterdir()) == [MARKER]  # nothing written, nothing replaced
+
+
+def test_an_output_in_a_hub_names_cached_snapshot_is_refused(tiny, tmp_path, monkeypatch, capsys):
+    import shutil
+
+    hub = tmp_path / "hub"
+    repo = hub / "models--someone--tiny"
+    snapshot = repo / "snapshots" / ("a" * 40)
+    shutil.copytree(tiny / "dense", snapshot)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("a" * 40)
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))  # read when called, not when imported
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    before = sorted(p.name for p in snapshot.iterdir())
+    code = prune_main(["magnitude", "--model", "someone/tiny", "--output", str(snapshot), *FAST,
+                       "--eval_text", str(tiny / "eval.txt")])
+    assert code == 2 and "the input" in last_error(capsys)
+    assert sorted(p.name for p in snapshot.iterdir()) == before
