@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,26 @@ def test_an_output_in_a_hub_names_cached_snapshot_is_refused(tiny, tmp_path, mon
                        "--eval_text", str(tiny / "eval.txt")])
     assert code == 2 and "the input" in last_error(capsys)
     assert sorted(p.name for p in snapshot.iterdir()) == before
+
+
+def test_quiet_and_a_moved_folder_reuse_a_finished_vision_compare(dense_ckpt, tmp_path, capsys):
+    """--quiet (no progress bar) and another --output folder change no result: the finished cells of
+    an earlier compare are reused, their files untouched."""
+    import shutil
+
+    from fairprune.workflows.vision import compare_vision
+
+    fast = {"max_epochs": 2, "limit_train_batches": 2, "limit_val_batches": 1, "limit_test_batches": 2,
+            "accelerator": "cpu"}
+    pruning = {"keep_per_iter": 0.5, "bn_recalibration": 2}
+    first = tmp_path / "first"
+    compare_vision(str(dense_ckpt), ["magnitude"], [0.5], pruning, str(first), fast)
+    capsys.readouterr()
+    moved = tmp_path / "moved"
+    shutil.move(first, moved)
+    cell = moved / "magnitude_s0.5"
+    kept = {f: f.stat().st_mtime_ns for f in cell.rglob("*") if f.is_file()}
+    compare_vision(str(dense_ckpt), ["magnitude"], [0.5], pruning, str(moved), {**fast, "enable_progress_bar": False})
+    assert "finished earlier with the same settings, reusing" in capsys.readouterr().out
+    assert {f: f.stat().st_mtime_ns for f in cell.rglob("*") if f.is_file()} == kept
+    assert json.loads((cell / "report.json").read_text())["split"] == "test"

@@ -68,6 +68,16 @@ class LMOptions(CalibrationOptions):
                             "compressed-tensors' sparse-bitmask / sparse-24-bitmask)")
 
 
+#: Trainer settings that change nothing a fit computes (progress bars, the model summary, logging).
+RESULT_NEUTRAL = frozenset({"enable_progress_bar", "enable_model_summary", "log_every_n_steps"})
+
+
+def result_settings(trainer: dict | None) -> dict:
+    """A Trainer's settings less the result-neutral ones (:data:`RESULT_NEUTRAL`): what decides
+    whether an earlier run can stand for this one."""
+    return {k: v for k, v in (trainer or {}).items() if k not in RESULT_NEUTRAL}
+
+
 def model_folder(lm: LMOptions, **_: object) -> str:
     """The places an LM command reads its model from (``@locked(..., reads=model_folder)``: no
     output may be one, lie inside one or hold one): the ``--model`` value and what it resolves to

@@ -29,11 +29,10 @@ from fairprune.callbacks.pruning import EpochSeeds, IterativePruning, evaluate
 from fairprune.errors import UserError
 from fairprune.hub import cache_dir
 from fairprune.reporting.report import write_json
+from fairprune.workflows.options import result_settings
 
 REFERENCES = ("continued", "dense")
 _VERSION = 1
-# Trainer settings that change what a fit computes (progress bars and logging do not).
-_IRRELEVANT = {"enable_progress_bar", "enable_model_summary", "log_every_n_steps"}
 
 
 def check_reference(reference: str) -> str:
@@ -56,7 +55,7 @@ def continued_reference(load: Callable[[], tuple[L.LightningModule, L.LightningD
     without pruning, and the facts the report carries about it."""
     settings = {"accelerator": "auto", "devices": 1, "log_every_n_steps": 10, **trainer, "max_epochs": epochs}
     identity = {"version": _VERSION, "ckpt_sha256": ckpt_sha256, "epochs": epochs, "seed": seed, "data": data,
-                "trainer": {k: v for k, v in settings.items() if k not in _IRRELEVANT}}
+                "trainer": result_settings(settings)}
     key = hashlib.sha256(json.dumps(identity, sort_keys=True, default=str).encode()).hexdigest()[:24]
     path = cache_dir() / "reference" / f"{key}.json"
     facts = {"epochs": epochs, "seed": seed, "cache": str(path)}

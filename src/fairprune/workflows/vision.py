@@ -42,7 +42,7 @@ from fairprune.storage.checkpoints import read_checkpoint
 from fairprune.storage.digest import file_sha256
 from fairprune.storage.lock import locked
 from fairprune.workflows import paired as compare_cells
-from fairprune.workflows.options import DataOptions, TrainerOptions
+from fairprune.workflows.options import DataOptions, TrainerOptions, result_settings
 from fairprune.workflows.paired import cell_name, compare_statistics, item_outcomes, save_items
 from fairprune.workflows.reference import (
     check_reference,
@@ -181,10 +181,19 @@ def _run_config(ckpt: str, pruning: dict[str, Any], output: str, name: str, trai
 
 
 def _same_config(run: Path, config: dict[str, Any]) -> bool:
+    """Whether the run in ``run`` had the settings of ``config``, leaving out what changes no
+    result: the compare's own folder (a moved compare is reused) and progress, summary and
+    logging settings (``--quiet`` does not start finished cells again)."""
+    def identity(found: Any) -> Any:
+        if not isinstance(found, dict):
+            return found
+        return {**{k: v for k, v in found.items() if k != "output"}, "trainer": result_settings(found.get("trainer"))}
+
     try:
-        return yaml.safe_load((run / "config.yaml").read_text()) == yaml.safe_load(yaml.safe_dump(config, sort_keys=False))
+        earlier = yaml.safe_load((run / "config.yaml").read_text())
     except (OSError, yaml.YAMLError):
         return False
+    return identity(earlier) == identity(yaml.safe_load(yaml.safe_dump(config, sort_keys=False)))
 
 
 def _earlier_cell(run: Path, config: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
