@@ -103,3 +103,24 @@ def test_quiet_and_a_moved_folder_reuse_a_finished_vision_compare(dense_ckpt, tm
     assert "finished earlier with the same settings, reusing" in capsys.readouterr().out
     assert {f: f.stat().st_mtime_ns for f in cell.rglob("*") if f.is_file()} == kept
     assert json.loads((cell / "report.json").read_text())["split"] == "test"
+
+
+def test_a_zip_bomb_of_test_items_is_refused_before_it_is_inflated(tmp_path):
+    """A 2 MB ``test_items.npz`` whose 'correct' array states 300 MB: refused from the zip's
+    directory, nothing inflated."""
+    import zipfile
+
+    import numpy as np
+
+    from fairprune.workflows.paired import ITEMS, BadItems, read_items
+
+    n = 300 * 2**20
+    with zipfile.ZipFile(tmp_path / ITEMS, "w", zipfile.ZIP_DEFLATED) as archive:
+        with archive.open("correct.npy", "w", force_zip64=True) as member:
+            np.lib.format.write_array_header_1_0(member, {"descr": "|b1", "fortran_order": False, "shape": (n,)})
+            zeros = bytes(2**20)
+            for _ in range(300):
+                member.write(zeros)
+    assert (tmp_path / ITEMS).stat().st_size < 3 * 2**20
+    with pytest.raises(BadItems, match="too large.*300 MiB"):
+        read_items(tmp_path, groups=2)

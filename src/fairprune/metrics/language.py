@@ -47,6 +47,7 @@ from fairprune import distributed
 from fairprune.data.pairs import direction
 from fairprune.data.text import document_start, encode_sentence, join_documents  # noqa: F401 (document_start: public here too)
 from fairprune.errors import UserError
+from fairprune.storage.arrays import open_npz
 
 
 @torch.no_grad()
@@ -338,7 +339,7 @@ class LMItems:
     def load(cls, folder: str | os.PathLike) -> LMItems | None:
         """The items a run saved in ``folder`` (None when it has none or they are damaged)."""
         try:
-            with np.load(Path(folder) / cls.FILE, allow_pickle=False) as data:
+            with open_npz(Path(folder) / cls.FILE) as data:
                 return cls.from_json({k: data[k] for k in data.files})
         except (OSError, ValueError):
             return None

@@ -24,6 +24,7 @@ from torch.utils.data import DataLoader
 from fairprune.errors import UserError
 from fairprune.metrics.group.bootstrap import bootstrap, paired_difference
 from fairprune.pruning.channels import GRANULARITIES
+from fairprune.storage.arrays import TooLarge, open_npz
 
 ITEMS = "test_items.npz"
 
@@ -94,7 +95,7 @@ def read_items(folder: Path, groups: int | None = None) -> tuple[np.ndarray, np.
         raise BadItems("is missing")
     arrays: dict[str, np.ndarray] = {}
     try:
-        with np.load(path, allow_pickle=False) as data:
+        with open_npz(path) as data:
             if not hasattr(data, "files"):
                 raise BadItems("is a single array, not the .npz of arrays correct, group and item")
             for key in ("correct", "group", "item"):
@@ -106,6 +107,8 @@ def read_items(folder: Path, groups: int | None = None) -> tuple[np.ndarray, np.
                     raise BadItems(f"holds '{key}' as an array of Python objects, not plain numbers") from None
     except BadItems:
         raise
+    except TooLarge as err:
+        raise BadItems(f"is too large: {err}") from None
     except Exception as err:  # not an npz, a cut or corrupt zip
         raise BadItems(f"is not a readable .npz file ({type(err).__name__}: {' '.join(str(err).split())[:80]})") from None
     correct, group, item = arrays["correct"], arrays["group"], arrays["item"]
