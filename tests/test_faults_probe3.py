@@ -124,3 +124,23 @@ def test_a_zip_bomb_of_test_items_is_refused_before_it_is_inflated(tmp_path):
     assert (tmp_path / ITEMS).stat().st_size < 3 * 2**20
     with pytest.raises(BadItems, match="too large.*300 MiB"):
         read_items(tmp_path, groups=2)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_activations_that_overflow_are_one_line_and_nothing_is_written(dtype, tiny, tmp_path, capsys):
+    """Finite weights whose activations overflow (a final norm scaled by 3·10⁴): float16 turns the
+    loss to inf / nan, float32 gives a loss whose exp overflows; both are one line, nothing written."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(tiny / "dense")
+    with torch.no_grad():
+        model.transformer.ln_f.weight.mul_(3e4)
+    model.save_pretrained(tmp_path / "loud")
+    AutoTokenizer.from_pretrained(tiny / "dense").save_pretrained(tmp_path / "loud")
+    out = tmp_path / "out"
+    code = prune_main(["magnitude", "--model", str(tmp_path / "loud"), "--dtype", dtype, "--eval_text",
+                       str(tiny / "eval.txt"), "--output", str(out), *FAST])
+    assert code == 2
+    assert "perplexity cannot be measured" in last_error(capsys)
+    assert not out.exists()

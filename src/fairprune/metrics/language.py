@@ -75,7 +75,13 @@ def perplexity_of(nll: torch.Tensor | Iterable[float], count: torch.Tensor | Ite
     """``exp`` of the summed NLL over the summed predicted tokens (sums in float64, exactly rounded)."""
     nll = nll.tolist() if isinstance(nll, torch.Tensor) else list(nll)
     count = count.tolist() if isinstance(count, torch.Tensor) else list(count)
-    return math.exp(math.fsum(nll) / math.fsum(count))
+    mean = math.fsum(nll) / math.fsum(count) if all(map(math.isfinite, nll)) else math.nan
+    if not mean < 709:  # nan, inf, or past what exp can hold: no model that works gives this
+        raise UserError(
+            f"perplexity cannot be measured: the model's loss over {int(math.fsum(count))} tokens is "
+            f"{'not finite' if not math.isfinite(mean) else f'{mean:.3g} per token'}: its activations overflowed "
+            "(float16 holds at most 65504: run with --dtype bfloat16 or float32) or the model is broken; nothing was written")
+    return math.exp(mean)
 
 
 @torch.no_grad()
