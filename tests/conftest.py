@@ -1,3 +1,5 @@
+import errno
+import os
 import sys
 from pathlib import Path
 
@@ -57,3 +59,34 @@ def dense_ckpt(tmp_path_factory) -> Path:
                    "--data.image_size", "32", "--data.batch_size", "16"])
     assert status == 0
     return out / "demo" / "dense" / "checkpoints" / "last.ckpt"
+
+
+@pytest.fixture
+def locked(tmp_path, monkeypatch) -> Path:
+    """A folder nobody may write to (mode 0555). Root ignores modes, so for root the two system
+    calls that create things, ``os.open`` with O_CREAT / O_TMPFILE and ``os.mkdir``, are refused
+    there as the kernel would refuse them for anyone else."""
+    folder = tmp_path / "locked"
+    folder.mkdir()
+    folder.chmod(0o555)
+    if os.geteuid() == 0:
+        real_open, real_mkdir = os.open, os.mkdir
+        creating = os.O_CREAT | getattr(os, "O_TMPFILE", 0)
+
+        def inside(path) -> bool:
+            return Path(os.path.abspath(os.fspath(path))).is_relative_to(folder)
+
+        def guarded_open(path, flags, *args, **kwargs):
+            if flags & creating and inside(path):
+                raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+            return real_open(path, flags, *args, **kwargs)
+
+        def guarded_mkdir(path, *args, **kwargs):
+            if inside(path):
+                raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
+            return real_mkdir(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", guarded_open)
+        monkeypatch.setattr(os, "mkdir", guarded_mkdir)
+    yield folder
+    folder.chmod(0o755)

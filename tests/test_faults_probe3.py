@@ -144,3 +144,16 @@ def test_activations_that_overflow_are_one_line_and_nothing_is_written(dtype, ti
     assert code == 2
     assert "perplexity cannot be measured" in last_error(capsys)
     assert not out.exists()
+
+
+def test_train_fit_into_a_folder_it_cannot_write_is_one_line(locked, capsys):
+    from fairprune.cli.train import main as train_main
+
+    root = Path(__file__).resolve().parents[1]
+    code = train_main(["fit", "--config", str(root / "configs" / "vision" / "demo.yaml"), "--trainer.max_epochs", "1",
+                       "--trainer.accelerator", "cpu", "--trainer.logger.init_args.save_dir", str(locked / "runs"),
+                       "--data.synthetic_size", "100", "--data.image_size", "32"])
+    assert code == 2
+    err = last_error(capsys)
+    assert "cannot write to the run folder" in err and "Permission denied" in err
+    assert list(locked.iterdir()) == []

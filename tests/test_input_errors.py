@@ -4,8 +4,6 @@ values that cannot mean what was meant."""
 
 from __future__ import annotations
 
-import errno
-import os
 from pathlib import Path
 
 import pytest
@@ -108,37 +106,6 @@ def test_lm_checkpoint_given_to_vision_names_the_kind_before_the_trainer(lm_ckpt
 
 # --------------------------------------------------------------------------------------------
 # --output that cannot be written
-
-
-@pytest.fixture
-def locked(tmp_path, monkeypatch) -> Path:
-    """A folder nobody may write to (mode 0555). Root ignores modes, so for root the two system
-    calls that create things, ``os.open`` with O_CREAT / O_TMPFILE and ``os.mkdir``, are refused
-    there as the kernel would refuse them for anyone else."""
-    folder = tmp_path / "locked"
-    folder.mkdir()
-    folder.chmod(0o555)
-    if os.geteuid() == 0:
-        real_open, real_mkdir = os.open, os.mkdir
-        creating = os.O_CREAT | getattr(os, "O_TMPFILE", 0)
-
-        def inside(path) -> bool:
-            return Path(os.path.abspath(os.fspath(path))).is_relative_to(folder)
-
-        def guarded_open(path, flags, *args, **kwargs):
-            if flags & creating and inside(path):
-                raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
-            return real_open(path, flags, *args, **kwargs)
-
-        def guarded_mkdir(path, *args, **kwargs):
-            if inside(path):
-                raise PermissionError(errno.EACCES, "Permission denied", os.fspath(path))
-            return real_mkdir(path, *args, **kwargs)
-
-        monkeypatch.setattr(os, "open", guarded_open)
-        monkeypatch.setattr(os, "mkdir", guarded_mkdir)
-    yield folder
-    folder.chmod(0o755)
 
 
 @pytest.fixture

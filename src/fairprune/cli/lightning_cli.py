@@ -36,7 +36,7 @@ from fairprune.callbacks.saving import AtomicSaveConfig, atomic_checkpoints
 from fairprune.callbacks.signals import CheckpointOnStop, stops_reported
 from fairprune.cli.guard import guarded
 from fairprune.errors import UserError
-from fairprune.storage.atomic import write_bytes
+from fairprune.storage.atomic import check_writable, write_bytes
 from fairprune.storage.checkpoints import read_checkpoint, state_dict_mismatch
 from fairprune.workflows.options import MachineOptions
 
@@ -187,7 +187,21 @@ class FairpruneCLI(LightningCLI):
                             "vision, with the settings it was trained with") from None
 
     def before_fit(self) -> None:
+        self._check_run_folder()
         remember_metrics(self.trainer)  # --ckpt_path: the resumed run's metrics.csv keeps the rows before it
+
+    def before_validate(self) -> None:
+        self._check_run_folder()
+
+    def before_test(self) -> None:
+        self._check_run_folder()
+
+    def _check_run_folder(self) -> None:
+        """One line before any work when the run folder cannot be written (read-only, not a folder):
+        the logger's folder (no collective: the logger computes it from its settings), else the root dir."""
+        logger = self.trainer.logger
+        folder = getattr(logger, "log_dir", None) if logger is not None else None
+        check_writable(folder or self.trainer.default_root_dir, "the run folder (--trainer.logger.init_args.save_dir)")
 
     def before_instantiate_classes(self) -> None:
         cfg = self.config[self.subcommand] if self.subcommand else self.config
