@@ -157,3 +157,12 @@ def test_train_fit_into_a_folder_it_cannot_write_is_one_line(locked, capsys):
     err = last_error(capsys)
     assert "cannot write to the run folder" in err and "Permission denied" in err
     assert list(locked.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", ["vision", "compare"])
+def test_negative_max_epochs_is_refused_by_the_pruning_commands_too(command, dense_ckpt, tmp_path, capsys):
+    args = ["--ckpt", str(dense_ckpt), "--output", str(tmp_path / "out"), "--trainer", "{max_epochs: -2}"]
+    args += ["--pruning", "{method: magnitude}"] if command == "vision" else ["--methods", "[magnitude]", "--sparsities", "[0.5]"]
+    assert prune_main([command, *args]) == 2
+    assert "max_epochs -2: give a number of epochs >= 0" in last_error(capsys)
+    assert not (tmp_path / "out").exists()

@@ -38,7 +38,7 @@ from fairprune.cli.guard import guarded
 from fairprune.errors import UserError
 from fairprune.storage.atomic import check_writable, write_bytes
 from fairprune.storage.checkpoints import read_checkpoint, state_dict_mismatch
-from fairprune.workflows.options import MachineOptions
+from fairprune.workflows.options import MachineOptions, check_trainer
 
 TRAINER_DEFAULTS: dict[str, Any] = {
     "logger": {
@@ -144,10 +144,7 @@ class FairpruneCLI(LightningCLI):
             cfg["weights_only"] = True
         if cfg.get("ckpt_path"):
             check_ckpt_path(str(cfg["ckpt_path"]))
-        trainer = cfg.get("trainer")
-        max_epochs = trainer.get("max_epochs") if trainer is not None else None
-        if isinstance(max_epochs, int) and max_epochs < -1:
-            raise UserError(f"--trainer.max_epochs {max_epochs}: give a number of epochs >= 0, or -1 for no limit")
+        check_trainer(cfg.get("trainer"), "--trainer.max_epochs")
 
     def add_arguments_to_parser(self, parser: Any) -> None:
         # Always present, whatever callbacks a config lists: every run writes its report.

@@ -16,6 +16,7 @@ from fairprune.pruning import diff
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.records import DiffRow
 from fairprune.storage.lock import locked
+from fairprune.workflows.options import check_trainer
 
 
 def _trainer(max_epochs: int, callbacks: list[L.Callback], **kwargs: Any) -> L.Trainer:
@@ -56,6 +57,7 @@ def compare_diff_pruning(module: L.LightningModule, datamodule: L.LightningDataM
     import pandas as pd
 
     diff.check_fraction(target_fraction)
+    check_trainer(trainer_kwargs, "trainer_kwargs' max_epochs")
     out = Path(output) if output is not None else Path(tempfile.mkdtemp(prefix="diffprune_"))
     kwargs = dict(trainer_kwargs or {})
     base_root = root_model(module)

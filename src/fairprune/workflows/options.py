@@ -68,6 +68,14 @@ class LMOptions(CalibrationOptions):
                             "compressed-tensors' sparse-bitmask / sparse-24-bitmask)")
 
 
+def check_trainer(trainer: dict | None, name: str = "--trainer's max_epochs") -> None:
+    """One line for Trainer settings Lightning would take and misread (``max_epochs`` below -1
+    trains on and on): checked wherever fairprune builds a Trainer, before any work."""
+    max_epochs = (trainer or {}).get("max_epochs")
+    if isinstance(max_epochs, int) and not isinstance(max_epochs, bool) and max_epochs < -1:
+        raise UserError(f"{name} {max_epochs}: give a number of epochs >= 0, or -1 for no limit")
+
+
 #: Trainer settings that change nothing a fit computes (progress bars, the model summary, logging).
 RESULT_NEUTRAL = frozenset({"enable_progress_bar", "enable_model_summary", "log_every_n_steps"})
 

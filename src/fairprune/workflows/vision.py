@@ -42,7 +42,7 @@ from fairprune.storage.checkpoints import read_checkpoint
 from fairprune.storage.digest import file_sha256
 from fairprune.storage.lock import locked
 from fairprune.workflows import paired as compare_cells
-from fairprune.workflows.options import DataOptions, TrainerOptions, result_settings
+from fairprune.workflows.options import DataOptions, TrainerOptions, check_trainer, result_settings
 from fairprune.workflows.paired import cell_name, compare_statistics, item_outcomes, save_items
 from fairprune.workflows.reference import (
     check_reference,
@@ -94,6 +94,7 @@ def prune_vision(
         deploy: measure the pruned and the dense network's size, MACs and CPU latency (PyTorch, ONNX Runtime) into report.json's deploy (a few seconds per small model).
     """
     check_reference(reference)
+    check_trainer(trainer)
     report, _ = _prune(ckpt, pruning, IterativePruning(**pruning), output, name, trainer, data, resume, seed, reference,
                        deploy)
     print(f"[prune] {report.get('method')}: accuracy {report.get('metrics', {}).get('accuracy', float('nan')):.4f}, "
@@ -328,6 +329,7 @@ def compare_vision(
     if not methods or not sparsities:
         raise UserError("compare needs at least one method and one sparsity")
     check_reference(reference)
+    check_trainer(trainer)
     baseline = baseline or methods[0]
     if baseline not in methods:
         raise UserError(f"--baseline {baseline!r} is not one of the compared methods ({', '.join(methods)}); "
