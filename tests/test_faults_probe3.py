@@ -166,3 +166,27 @@ def test_negative_max_epochs_is_refused_by_the_pruning_commands_too(command, den
     assert prune_main([command, *args]) == 2
     assert "max_epochs -2: give a number of epochs >= 0" in last_error(capsys)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_small_prompt_set_splits_every_subgroup_into_both_parts_or_says_why_first(tiny, tmp_path, capsys,
+                                                                                      monkeypatch):
+    import pandas as pd
+
+    import fairprune.workflows.heads as heads
+    from fairprune.data.prompts import split_prompts
+
+    rows = [(f"The {d} person number {i} is", "gender_and_sex", b, d)
+            for b, d in [("binary", "female"), ("binary", "male"), ("transgender", "trans"), ("non_binary", "queer")]
+            for i in range(2)]
+    frame = pd.DataFrame(rows, columns=["text", "axis", "bucket", "descriptor"])
+    val, test = split_prompts(frame, stratify="descriptor")  # 8 prompts: too few for a plain stratified split
+    assert val.descriptor.nunique() == test.descriptor.nunique() == 4 and len(val) + len(test) == 8
+
+    frame.iloc[:5].to_csv(tmp_path / "few.csv", index=False)  # three subgroups with one prompt each
+    monkeypatch.setattr(heads, "load_model", lambda *a, **k: pytest.fail("the model was loaded before the check"))
+    out = tmp_path / "out"
+    code = prune_main(["fasp", "--model", str(tiny / "dense"), "--prompts", str(tmp_path / "few.csv"),
+                       "--output", str(out), "--quiet"])
+    assert code == 2
+    assert "give every subgroup at least two prompts" in last_error(capsys)
+    assert not out.exists()

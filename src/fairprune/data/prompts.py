@@ -20,6 +20,8 @@ from fairprune.data.files import read_user_csv
 from fairprune.errors import UserError
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
     import pandas as pd
 
 COLUMNS = ("text", "axis", "bucket", "descriptor")
@@ -314,9 +316,11 @@ def write_prompts(path: str | Path, frame: pd.DataFrame | None = None) -> Path:
     return path
 
 
-def split_prompts(frame: pd.DataFrame, validation: float = 0.2, seed: int = 0,
-                  stratify: str = "bucket") -> tuple[pd.DataFrame, pd.DataFrame]:
-    """Seeded (validation, test) split, stratified by axis × ``stratify`` so every subgroup is in both."""
+def split_prompts(frame: pd.DataFrame, validation: float = 0.2, seed: int = 0, stratify: str = "bucket",
+                  axes: str | Sequence[str] | None = None) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """Seeded (validation, test) split, stratified by axis × ``stratify`` so every subgroup is in both;
+    an axis (of ``axes``, default all; ``"all"``: all) left with fewer than two subgroups in either
+    part is one line here, before any work, saying how many prompts each subgroup needs."""
     from sklearn.model_selection import train_test_split
 
     if not 0 < validation < 1:
@@ -324,6 +328,25 @@ def split_prompts(frame: pd.DataFrame, validation: float = 0.2, seed: int = 0,
     check_prompts(frame)
     strata = frame.axis.astype(str) + "/" + frame[stratify].astype(str)
     # Stratifying needs two prompts per stratum (one for each side); otherwise split plainly.
-    by = strata if strata.value_counts().min() >= 2 and strata.nunique() <= validation * len(frame) else None
-    val, test = train_test_split(frame, train_size=validation, random_state=seed, stratify=by)
+    if strata.value_counts().min() >= 2 and strata.nunique() <= validation * len(frame):
+        val, test = train_test_split(frame, train_size=validation, random_state=seed, stratify=strata)
+    else:  # too few prompts for sklearn's stratified split: each stratum of 2+ prompts gives each part one at least
+        import numpy as np
+
+        rng = np.random.default_rng(seed)
+        chosen = []
+        for _, index in frame.groupby(strata, sort=True).groups.items():
+            index = rng.permutation(np.asarray(index))
+            if len(index) >= 2:
+                chosen += list(index[: min(len(index) - 1, max(1, round(validation * len(index))))])
+        val, test = frame.loc[sorted(chosen)], frame.drop(index=chosen)
+    wanted = sorted(frame.axis.unique()) if axes in (None, "all") else [axes] if isinstance(axes, str) else list(axes)
+    for axis in (a for a in wanted if a in set(frame.axis)):  # an unknown axis is named where axes are chosen
+        counts = {part: int(rows[rows.axis == axis][stratify].nunique()) for part, rows in (("validation", val), ("test", test))}
+        if min(counts.values()) < 2:
+            per = frame[frame.axis == axis][stratify].value_counts()
+            raise UserError(f"the prompts of axis '{axis}' split into a {validation:.0%} validation part with "
+                            f"{counts['validation']} subgroup(s) and a test part with {counts['test']}; bias needs two "
+                            f"subgroups in each, so give every subgroup at least two prompts ({per.size} subgroups, "
+                            f"{int(per.min())} to {int(per.max())} prompts each)")
     return val.sort_index().reset_index(drop=True), test.sort_index().reset_index(drop=True)

@@ -18,7 +18,7 @@ import pandas as pd
 
 from fairprune import distributed
 from fairprune.data.files import read_calib_text, read_text
-from fairprune.data.prompts import read_prompts
+from fairprune.data.prompts import read_prompts, split_prompts
 from fairprune.data.text import render_calib_text
 from fairprune.errors import UserError
 from fairprune.families import family_of
@@ -43,6 +43,9 @@ def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alph
     model before and after (``--tasks``; the dense model's from the cache after the first run)."""
     from fairprune.pruning.fasp import Generation, run_fasp
 
+    prompts = read_prompts(heads.prompts) if heads.prompts else None
+    if prompts is not None:
+        split_prompts(prompts, seed=lm.seed, axes=heads.axis)  # before any work: both parts can measure bias
     model = load_model(lm.model, "causal-lm", lm.trust_remote_code, dtype=lm.dtype)
     check_input_model(model, lm.model)  # before any work: NaN / inf weights cannot be scored
     family_of(model).require_heads(f"prune.py {method}")  # before any work: where its heads are
@@ -51,7 +54,6 @@ def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alph
     talk = machine.progress and distributed.is_main()
     dense_tasks = measure_tasks(model, tokenizer, specs, lm, resolve_device(lm.device), talk, use_cache=lm.dense_cache,
                                 who="dense model: ")
-    prompts = read_prompts(heads.prompts) if heads.prompts else None
     scoring_text = render_calib_text(tokenizer, read_calib_text(lm.calib_text)) if lm.calib_text else None
     eval_text = read_text(lm.eval_text) if lm.eval_text else None
     result = run_fasp(model, tokenizer, prompts, scoring_text, method, heads.gamma, alpha, heads.axis, heads.scorer,

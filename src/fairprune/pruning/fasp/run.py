@@ -92,7 +92,7 @@ def run_fasp(
     if subgroup not in prompts.columns:
         raise UserError(f"subgroup column {subgroup!r} is not in the prompts; use bucket or descriptor")
     axes = sorted(prompts.axis.unique()) if axis == "all" else [axis] if isinstance(axis, str) else list(axis)
-    val_prompts, test_prompts = split_prompts(prompts, validation, seed, stratify=subgroup)
+    val_prompts, test_prompts = split_prompts(prompts, validation, seed, stratify=subgroup, axes=axes)
     if ppl_text is None:
         from fairprune.data.text import lm_corpus
 
