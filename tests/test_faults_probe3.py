@@ -190,3 +190,25 @@ def test_a_small_prompt_set_splits_every_subgroup_into_both_parts_or_says_why_fi
     assert code == 2
     assert "give every subgroup at least two prompts" in last_error(capsys)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("command", ["fasp", "compare"])
+def test_quiet_head_commands_print_no_progress_bars(command, tiny, tmp_path, capfd):
+    args = ["--model", str(tiny / "dense"), "--output", str(tmp_path / "out"), "--quiet", "--max_new_tokens", "2",
+            "--seqlen", "32", "--gamma", "0.25", "--calib_text", str(tiny / "eval.txt")]
+    args += ["--alpha", "0.25"] if command == "fasp" else ["--methods", "[fasp, random]", "--alphas", "[0.25]"]
+    capfd.readouterr()
+    assert prune_main([command, *args]) == 0
+    printed = "".join(capfd.readouterr())
+    assert "it/s]" not in printed and "Loading weights" not in printed and "Writing model" not in printed
+
+
+@pytest.mark.parametrize("name", ["--help", "-x", "My Method", "", "a/b", "x;rm", "1st", "ok-"])
+def test_a_plugin_method_name_must_be_a_name(name):
+    from fairprune.errors import UserError
+    from fairprune.pruning import registry
+    from fairprune.pruning.registry import Method
+
+    with pytest.raises(UserError, match="is not a name"):
+        registry.register(Method(name, "lm", "a toy", selection="fairprune.pruning.llm:magnitude_solve", uses_data=False))
+    assert name not in registry.names("lm")

@@ -30,6 +30,7 @@ available to ``prune.py`` and ``train.py`` too.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pkgutil import resolve_name
@@ -177,6 +178,9 @@ def register(method: Method, *, replace: bool = False) -> Method:
     What a kind needs: vision ``importance`` and ``selection``; lm ``selection`` (and
     ``statistic`` when it uses data); heads ``selection``."""
     _check_kind(method.kind)
+    if not isinstance(method.name, str) or not re.fullmatch(r"[a-z][a-z0-9]*(?:[-_][a-z0-9]+)*", method.name):
+        raise UserError(f"method name {method.name!r} is not a name: use lower-case letters and digits, words joined by "
+                        "'-' or '_', starting with a letter (e.g. 'my-method'); it becomes a command and a config value")
     if method.scope not in SCOPES:
         raise UserError(f"method {method.name!r}: scope must be one of {', '.join(SCOPES)}, got {method.scope!r}")
     if not set(method.granularities) <= {"weight", "channel"} or method.channel_reduce not in ("sum", "l2"):
