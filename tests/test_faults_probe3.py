@@ -212,3 +212,28 @@ def test_a_plugin_method_name_must_be_a_name(name):
     with pytest.raises(UserError, match="is not a name"):
         registry.register(Method(name, "lm", "a toy", selection="fairprune.pruning.llm:magnitude_solve", uses_data=False))
     assert name not in registry.names("lm")
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--limit", "1.5", "--tasks", "[mmlu]"], "--limit 1.5: above 1 it counts documents, so give a whole number"),
+    (["--limit", "3"], "--limit sets how lm-eval runs the --tasks, and no --tasks are given"),
+    (["--num_fewshot", "2"], "--num_fewshot sets how lm-eval runs the --tasks, and no --tasks are given"),
+])
+def test_limit_and_fewshot_mistakes_are_one_line(args, needle, tiny, tmp_path, capsys):
+    assert prune_main(["evaluate", "--model", str(tiny / "dense"), "--output", str(tmp_path / "ev"), *args]) == 2
+    assert needle in last_error(capsys) and not (tmp_path / "ev").exists()
+
+
+def test_one_task_and_one_task_file_need_no_brackets():
+    from fairprune.workflows.options import LMOptions
+
+    lm = LMOptions(model="m", tasks="bbq_ambig", task_data="bbq=/data/BBQ/Age.jsonl")
+    assert lm.tasks == ["bbq_ambig"] and lm.task_data == ["bbq=/data/BBQ/Age.jsonl"]
+
+
+def test_the_command_line_takes_one_task_without_brackets(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path / "cache"))
+    assert prune_main(["evaluate", "--model", str(tiny / "dense"), "--eval_text", str(tiny / "eval.txt"), "--seqlen", "32",
+                       "--eval_tokens", "256", "--quiet", "--tasks", "mmlu", "--limit", "4",
+                       "--output", str(tmp_path / "ev")]) == 0
+    assert json.loads((tmp_path / "ev" / "report.json").read_text())["tasks"]["facts"]["mmlu"]["samples"] == 4

@@ -116,7 +116,7 @@ def test_streamed_runs_score_tasks_on_a_disk_offloaded_model_as_in_memory(tiny_l
     assert {k: v for k, v in streamed["metrics"].items() if "/" in k} == {k: v for k, v in memory["metrics"].items() if "/" in k}
     assert streamed["paired"]["mmlu/acc"] == memory["paired"]["mmlu/acc"]
 
-    lm = LMOptions(model=str(tmp_path / "true"), limit=20)
+    lm = LMOptions(model=str(tmp_path / "true"), tasks=["mmlu", "bbq_ambig_letter"], limit=20)
     specs = resolve_tasks(["mmlu", "bbq_ambig_letter"], {})
     load, facts = offloaded(tmp_path / "true", lm, budget_bytes=20_000)  # far below the model's 150 KB
     spilled = measure_tasks(None, AutoTokenizer.from_pretrained(tmp_path / "true"), specs, lm, "cpu", progress=False,

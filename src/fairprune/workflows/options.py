@@ -50,17 +50,28 @@ class LMOptions(CalibrationOptions):
     dtype: str = "float32"
     save_format: str = "dense"
     stream: bool | Literal["auto"] = "auto"
-    tasks: list[str] | None = None
-    task_data: list[str] | None = None
+    tasks: list[str] | str | None = None
+    task_data: list[str] | str | None = None
     limit: float | None = None
     num_fewshot: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        for name in ("tasks", "task_data"):  # one item may come without brackets, as people type it
+            value = getattr(self, name)
+            if isinstance(value, str):
+                object.__setattr__(self, name, [value])
         if self.limit is not None and not (self.limit > 0 and math.isfinite(self.limit)):
             raise UserError(f"--limit must be a positive number of documents (or a fraction below 1); got {self.limit}")
+        if self.limit is not None and self.limit > 1 and self.limit != int(self.limit):
+            raise UserError(f"--limit {self.limit}: above 1 it counts documents, so give a whole number (below 1 it is "
+                            "a share of each task's documents)")
         if self.num_fewshot is not None and self.num_fewshot < 0:
             raise UserError(f"--num_fewshot must be 0 or more; got {self.num_fewshot}")
+        for name, value in (("--limit", self.limit), ("--num_fewshot", self.num_fewshot)):
+            if value is not None and not self.tasks:
+                raise UserError(f"{name} sets how lm-eval runs the --tasks, and no --tasks are given: add --tasks "
+                                f"[...] or leave {name} out")
         if self.dtype not in DTYPES:
             raise UserError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.save_format not in SAVE_FORMATS:
