@@ -199,7 +199,7 @@ def reports(tmp_path_factory, one_thread) -> dict[str, dict]:
     lm = ["--model", str(out / "lm" / "dense"), "--eval_text", str(out / "lm" / "eval.txt"), "--nsamples", "2",
           "--seqlen", "32", "--eval_tokens", "256", "--device", "cpu", "--quiet", "true"]
     assert prune_main(["compare", *lm, "--methods", "[sparsegpt]", "--sparsities", '["0.5"]',
-                       "--tasks", "[mmlu, bbq_ambig]", "--limit", "4", "--output", str(out / "lc")]) == 0
+                       "--tasks", "[mmlu, bbq_ambig_cloze3]", "--limit", "4", "--output", str(out / "lc")]) == 0
     assert prune_main(["evaluate", *lm, "--output", str(out / "le")]) == 0
     holistic_prompts(["gender_and_sex"]).groupby("bucket").head(4).to_csv(out / "prompts.csv", index=False)
     assert prune_main(["fasp", "--model", str(out / "lm" / "dense"), "--prompts", str(out / "prompts.csv"),

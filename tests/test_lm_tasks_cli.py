@@ -49,27 +49,57 @@ def test_evaluate_and_prune_report_task_figures_with_intervals_and_paired(tiny_l
     paired = pruned["paired"]["mmlu/acc"]
     assert paired["difference"] == pytest.approx(pruned["metrics"]["mmlu/acc"] - report["metrics"]["mmlu/acc"])
     assert paired["ci"][0] <= paired["difference"] <= paired["ci"][1]
+    # The model card: a figure the run marks invalid is struck out and kept out of the model index
+    # the Hub ranks; a valid one is in it, named as lm-eval names it.
     card = (tmp_path / "sgpt" / "README.md").read_text()
-    assert "task:\n      type: text-generation\n      name: mmlu" in card and "type: acc" in card
+    marks = pruned["tasks"]["validity"]
+    assert marks["mmlu/acc"]["chance"] == 0.25 and marks["bbq_ambig_letter/accuracy_amb"]["chance"] == pytest.approx(1 / 3)
+    for task in ("mmlu", "bbq_ambig_letter"):
+        invalid = marks[f"{task}/{'acc' if task == 'mmlu' else 'accuracy_amb'}"]["invalid"]
+        assert (f"task:\n      type: text-generation\n      name: {task}\n" in card) != bool(invalid), task
+        if invalid:
+            assert f"- {task} (" in card and invalid in card and "~~" in card
+    assert "(chance 0.250)" in card
 
 
-def test_compare_table_has_task_columns_dto_and_paired(tiny_lm, tmp_path, monkeypatch):
+def test_compare_table_has_task_columns_chance_validity_dto_and_paired(tiny_lm, tmp_path, monkeypatch, capsys):
+    """Each task figure comes with its chance level and its run's verdict (``<figure>_chance``,
+    ``<figure>_invalid``); DTO reads only figures valid on its rows and names them; the printed
+    headline strikes out what a run marks invalid and says why."""
+    from fairprune.metrics.task_figures import ABSTENTION, KNOWLEDGE, valid
+
     monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path / "cache"))
     assert prune_main(["compare", *_common(tiny_lm), "--methods", "[magnitude, wanda]", "--sparsities", "[0.5]",
-                       "--tasks", "[mmlu, bbq_ambig, hellaswag]", "--limit", "20", "--baseline", "dense",
-                       "--output", str(tmp_path / "cmp")]) == 0
+                       "--tasks", "[mmlu, bbq_ambig_cloze3, bbq_ambig_letter, hellaswag]", "--limit", "20",
+                       "--baseline", "dense", "--output", str(tmp_path / "cmp")]) == 0
     table = pd.read_csv(tmp_path / "cmp" / "comparison.csv")
     assert list(table["method"]) == ["dense", "magnitude", "wanda"]
-    for column in ("mmlu/acc", "bbq_ambig/accuracy_amb", "hellaswag/acc_norm", "mmlu/acc_ci_low", "mmlu/acc_diff", "dto"):
+    for column in ("mmlu/acc", "mmlu/acc_chance", "mmlu/acc_invalid", "bbq_ambig_cloze3/accuracy_amb_chance",
+                   "hellaswag/acc_norm", "mmlu/acc_ci_low", "mmlu/acc_diff", "bbq_ambig_letter/amb_bias_score_invalid"):
         assert column in table.columns, column
-    assert table["dto"].between(0, 2 ** 0.5 + 1e-9).all()
+    assert (table["mmlu/acc_chance"] == 0.25).all() and (table["bbq_ambig_cloze3/accuracy_amb_chance"] - 1 / 3).abs().max() < 1e-9
     report = json.loads((tmp_path / "cmp" / "report.json").read_text())
-    assert report["dto"]["abstention"] == "bbq_ambig/accuracy_amb" and report["dto"]["accuracy"] == "mmlu/acc"
-    assert "mmlu/acc" in report["reference"]["metrics"]
+    used = report["dto"]
+    assert used["accuracy"] in (*KNOWLEDGE, None) and used["abstention"] in (*ABSTENTION, None)
+    rows = table.to_dict(orient="records")
+    for row in rows:
+        both = used["accuracy"] and used["abstention"] and valid(row, used["accuracy"]) and valid(row, used["abstention"])
+        assert any(name.split()[0] == row["method"] for name in used["left_out"]) != bool(both)
+        if "dto" in table.columns:
+            assert (row["dto"] == row["dto"]) == bool(both)  # a DTO exactly where both figures are valid
+    cell = json.loads((tmp_path / "cmp" / "wanda_0.5" / "report.json").read_text())
+    for key, mark in cell["tasks"]["validity"].items():
+        invalid = table.set_index("method").loc["wanda", f"{key}_invalid"]
+        assert (mark["invalid"] or "") == ("" if invalid != invalid else invalid), key
+    assert cell["reference"]["tasks_validity"]["mmlu/acc"]["chance"] == 0.25
+    printed = capsys.readouterr().out
+    marked = [k for k, m in cell["tasks"]["validity"].items() if m["invalid"]]
+    if any(k.split("/")[0] in ("mmlu", "bbq_ambig_letter") for k in marked):  # a letter task answered with one letter
+        assert "✗" in printed and "of its letter prompts" in printed
     shown = (tmp_path / "cmp" / "comparison.md").read_text()
-    assert "Δ mmlu/acc vs dense" in shown
-    for cell in ("magnitude_0.5", "wanda_0.5"):
-        assert (tmp_path / "cmp" / cell / "task_items.json").is_file()
+    assert "Δ mmlu/acc vs dense" in shown and "mmlu/acc_chance" in shown
+    for cell_name in ("magnitude_0.5", "wanda_0.5"):
+        assert (tmp_path / "cmp" / cell_name / "task_items.json").is_file()
 
 
 @pytest.mark.parametrize("args, message", [

@@ -5,9 +5,13 @@
 2. Prunes it with SparseGPT, Debias-SparseGPT, Wanda and magnitude at 50 % from one dense
    measurement and prints one comparison table: perplexity, stereotype score, and through
    lm-evaluation-harness on the bundled sets HellaSwag and MMLU accuracy, BBQ abstention accuracy
-   and bias score (cloze and letter scoring) and DTO, each with its interval and the paired
-   difference against SparseGPT (``configs/compare/lm_smollm2.yaml``: small calibration and
-   evaluation caps so the whole demo fits in about ten minutes on two cores).
+   and bias score (a cloze over each item's three answers, the paper's letter prompt, that prompt
+   balanced over the answers' positions, lm-eval's twelve-answer cloze) and DTO, each with its
+   chance level, its interval and the paired difference against SparseGPT
+   (``configs/compare/lm_smollm2.yaml``: small calibration and evaluation caps so the whole demo
+   fits in about ten minutes on two cores). The headline shows DTO and the abstention and
+   knowledge figures it reads; a figure a run marks invalid (a letter task answered with one
+   letter, a task at chance) is struck out and left out of DTO.
 
 Everything lands in ``runs/demo_lm/`` (one folder per method and sparsity, and the table).
 """

@@ -1,8 +1,10 @@
 """What the LM yardsticks' figures are made of, sample by sample (:class:`TaskItems`, lm-eval's
 logged per-sample outputs), and the figures, bootstrap intervals and paired differences computed
 from them by each task's aggregation rule as lm-eval defines it (BBQ's accuracy and bias scores
-overall and per category), and DTO over the rows of a comparison. lm-eval itself is run by
-:mod:`fairprune.metrics.harness`."""
+overall and per category), each accuracy's chance level (:func:`task_chance`: what uniform answers
+over the task's own choices would score), which figures a run cannot stand behind
+(:func:`task_validity`), and DTO over the rows of a comparison, from valid figures only
+(:func:`dto`). lm-eval itself is run by :mod:`fairprune.metrics.harness`."""
 
 from __future__ import annotations
 
@@ -25,8 +27,20 @@ HEADLINE: dict[str, tuple[str, ...]] = {
     "bbq_ambig": ("accuracy_amb", "amb_bias_score"),
     "bbq_disambig": ("accuracy_disamb", "disamb_bias_score"),
     "bbq_ambig_letter": ("accuracy_amb", "amb_bias_score"),
+    "bbq_ambig_cloze3": ("accuracy_amb", "amb_bias_score"),
+    "bbq_disambig_cloze3": ("accuracy_disamb", "disamb_bias_score"),
+    "bbq_ambig_letter_balanced": ("accuracy_amb", "amb_bias_score"),
     "crows_pairs_english": ("pct_stereotype",),
 }
+#: A letter task whose answers are this share one letter measures a position bias (invalid).
+ONE_LETTER_SHARE = 0.9
+#: DTO's knowledge figure, the first valid one of: the paper's MMLU (letter prompt), a cloze-scored task.
+KNOWLEDGE = ("mmlu/acc", "hellaswag/acc_norm")
+#: DTO's abstention figure, the first valid one of: BBQ over each item's three answers as a cloze, the
+#: letter prompt balanced over positions, the paper's letter prompt. Never lm-eval's twelve-answer
+#: ``bbq_ambig``: a model pushed toward uniform answers abstains there toward 10/12.
+ABSTENTION = ("bbq_ambig_cloze3/accuracy_amb", "bbq_ambig_letter_balanced/accuracy_amb", "bbq_ambig_letter/accuracy_amb")
+_EPS = 1e-9  # figures within this of their chance level are at it
 
 
 # -- the per-sample outputs -------------------------------------------------------------------
@@ -36,7 +50,9 @@ class TaskItems:
     ``doc_ids``; ``values`` (metric → one float per sample, for metrics lm-eval averages);
     for BBQ tasks ``bbq`` (the parts of lm-eval's BBQ metrics: acc, biased, non_unknown,
     disambiguated, one float each per sample) and ``category``; for letter tasks ``letters``
-    (the letter answered, 0 = A). Saved beside a run's report as ``task_items.json``."""
+    (the letter answered, 0 = A; the three letters of an item asked in three orders) and
+    ``choices``; ``chance`` (what a uniform pick among the sample's choices scores) where the
+    task scores choices. Saved beside a run's report as ``task_items.json``."""
 
     tasks: dict[str, dict[str, Any]] = field(default_factory=dict)
     FILE: ClassVar[str] = "task_items.json"
@@ -69,6 +85,8 @@ def _well_formed(data: Any) -> bool:
             columns.append(task["category"])
         if task.get("letters") is not None:
             columns.append(task["letters"])
+        if task.get("chance") is not None:
+            columns.append(task["chance"])
         if not all(isinstance(c, list) and len(c) == n for c in columns):
             return False
         try:
@@ -80,12 +98,17 @@ def _well_formed(data: Any) -> bool:
 
 
 def task_entry(samples: list[dict[str, Any]], letters: bool = False) -> dict[str, Any]:
-    """One task's :class:`TaskItems` entry from lm-eval's logged samples."""
+    """One task's :class:`TaskItems` entry from lm-eval's logged samples; ``chance`` (per sample,
+    the expected accuracy of a uniform pick among the sample's choices) where the task scores
+    choices against a known answer."""
     samples = sorted(samples, key=lambda s: s["doc_id"])
     metrics = samples[0]["metrics"] if samples else []
+    if metrics and isinstance(samples[0].get(metrics[0]), dict) and "lls" in samples[0][metrics[0]]:
+        return _orders_entry(samples, metrics[0])
     entry: dict[str, Any] = {"doc_ids": [int(s["doc_id"]) for s in samples], "values": {}}
-    if "amb_bias_score" in metrics:  # lm-eval's BBQ: (acc, n_biased, n_non_unk, mask_disambiguated) per sample
-        parts = np.array([[float(v) for v in s["amb_bias_score"]] for s in samples], dtype=float).reshape(-1, 4)
+    bbq = next((key for key in ("amb_bias_score", "disamb_bias_score") if key in metrics), None)
+    if bbq is not None:  # lm-eval's BBQ: (acc, n_biased, n_non_unk, mask_disambiguated) per sample
+        parts = np.array([[float(v) for v in s[bbq]] for s in samples], dtype=float).reshape(-1, 4)
         entry["bbq"] = {key: parts[:, i].tolist() for i, key in enumerate(BBQ_PARTS)}
         entry["category"] = [str(s["doc"]["category"]) for s in samples]
         entry["values"]["acc"] = entry["bbq"]["acc"]
@@ -97,7 +120,54 @@ def task_entry(samples: list[dict[str, Any]], letters: bool = False) -> dict[str
     if letters:  # the letter answered (0 = A): the argmax over the choices' log-likelihoods
         entry["letters"] = [int(np.argmax([float(r[0]) for r in s["filtered_resps"]])) for s in samples]
         entry["choices"] = max((len(s["filtered_resps"]) for s in samples), default=0)
+    if bbq is not None or {"acc", "acc_norm"} & set(entry["values"]):
+        chance = [_chance(s, bbq is not None) for s in samples]
+        if samples and all(c is not None for c in chance):
+            entry["chance"] = chance
     return entry
+
+
+def _chance(sample: dict[str, Any], bbq: bool) -> float | None:
+    """The expected accuracy of a uniform pick among a multiple-choice sample's choices: BBQ's rules
+    on each choice (lm-eval's twelve answers, or the item's own three: letters A-C stand for
+    ``ans0``-``ans2``), else the share of the choices that are the target; None where the sample
+    is not a choice among scored options."""
+    responses = sample.get("filtered_resps")
+    if not isinstance(responses, list) or not responses or not all(isinstance(r, (list, tuple)) for r in responses):
+        return None
+    n = len(responses)
+    if bbq:
+        from lm_eval.tasks.bbq import utils as lm_bbq
+
+        doc = sample["doc"]
+        if n == 3:
+            from fairprune.metrics.lm_tasks import answer_outcomes
+
+            return math.fsum(answer_outcomes(doc)["acc"]) / 3
+        if n == len(lm_bbq.doc_to_choice(doc)):
+            targets = set(lm_bbq.doc_to_targets(doc))
+            return sum(i in targets for i in range(n)) / n
+        return None
+    target = sample.get("target")
+    if isinstance(target, (int, np.integer)) and not isinstance(target, bool):
+        return 1.0 / n if 0 <= int(target) < n else None
+    if isinstance(target, list) and target and all(isinstance(t, (int, np.integer)) for t in target):
+        return len({int(t) for t in target if 0 <= int(t) < n}) / n
+    return None
+
+
+def _orders_entry(samples: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    """The entry of a task that asks each item in three answer orders (``bbq_ambig_letter_balanced``):
+    one sample per item, its three orders joined (:func:`fairprune.metrics.lm_tasks.combine_orders`);
+    ``letters`` holds the letter chosen in each of the item's orders."""
+    from fairprune.metrics.lm_tasks import combine_orders
+
+    items = combine_orders(s[key] for s in samples)
+    parts = {"acc": [i["acc"] for i in items], "biased": [i["biased"] for i in items],
+             "non_unknown": [i["non_unknown"] for i in items], "disambiguated": [i["disambiguated"] for i in items]}
+    return {"doc_ids": [i["item"] for i in items], "values": {"acc": parts["acc"]}, "bbq": parts,
+            "category": [i["category"] for i in items], "letters": [i["letters"] for i in items], "choices": 3,
+            "chance": [i["chance"] for i in items]}
 
 
 # -- figures, intervals, paired differences ---------------------------------------------------
@@ -205,26 +275,113 @@ def headline(figures: dict[str, dict[str, float]]) -> dict[str, float]:
     return flat
 
 
-def dto(rows: Sequence[dict[str, Any]], accuracy: str = "mmlu/acc",
-        abstention: Sequence[str] = ("bbq_ambig_letter/accuracy_amb", "bbq_ambig/accuracy_amb")) -> tuple[list[float | None], str | None]:
-    """DTO, the distance to the optimum of Debias-SparseGPT: over the rows of a comparison, min-max
-    normalise MMLU accuracy and abstention accuracy (each over the rows that have both; a figure
-    equal on every row normalises to 1), and take each row's Euclidean distance to the ideal point
-    (1, 1). Lower is better. The abstention figure is the first of ``abstention`` the rows hold
-    (the letter prompt, as the paper scores it, else cloze). Returns the distances (None for a
-    row without both figures) and the abstention figure used (None: no DTO)."""
-    used = next((a for a in abstention if any(r.get(a) is not None for r in rows)), None)
-    if used is None or not any(r.get(accuracy) is not None for r in rows):
+def is_accuracy(metric: str) -> bool:
+    """Whether a figure is an accuracy (it has a chance level): ``acc``, ``acc_norm``,
+    ``accuracy_amb`` (and per category), ``accuracy_disamb``."""
+    return metric in ("acc", "acc_norm", "accuracy_disamb") or metric.startswith("accuracy_amb")
+
+
+def task_chance(items: TaskItems) -> dict[str, dict[str, float]]:
+    """Each accuracy's chance level, ``{task: {metric: value}}``: the figure a model answering
+    uniformly at random among each sample's choices would score in expectation, aggregated as
+    the figure is (BBQ's abstention over the ambiguous samples, ...). Tasks without per-sample
+    chance (no choices scored) are left out."""
+    out = {}
+    for name, entry in items.tasks.items():
+        chance = entry.get("chance")
+        if chance is None or not entry["doc_ids"]:
+            continue
+        uniform = dict(entry, values={k: chance for k in entry["values"] if is_accuracy(k)})
+        if "bbq" in entry:
+            uniform["bbq"] = {**entry["bbq"], "acc": chance}
+        once = np.ones((1, len(entry["doc_ids"])))
+        out[name] = {k: float(v[0]) for k, v in _figures(uniform, once).items() if is_accuracy(k) and np.isfinite(v[0])}
+    return out
+
+
+def task_validity(items: TaskItems, facts: dict[str, Any], intervals: dict[str, Any] | None = None) -> dict[str, dict[str, Any]]:
+    """For every headline figure (``<task>/<metric>``, :func:`headline`): its ``chance`` level
+    (None for a figure that is not an accuracy), whether uniform answers would match or beat it
+    (``at_or_below_chance``), and why the run cannot stand behind it (``invalid``, None when it
+    can). A task's figures are all invalid when one letter takes :data:`ONE_LETTER_SHARE` of a
+    letter task's answers (``facts[task]["letter_shares"]``: a position bias), or when its
+    accuracy is at or below its chance level with a 95 % interval (``intervals``, default the
+    bootstrap of :func:`task_intervals`) that includes the chance level."""
+    figures, chance = task_figures(items), task_chance(items)
+    intervals = task_intervals(items) if intervals is None else intervals
+    shown = headline(figures)
+    out: dict[str, dict[str, Any]] = {}
+    for name, metrics in figures.items():
+        reason = None
+        fact = facts.get(name) if isinstance(facts.get(name), dict) else {}
+        shares = fact.get("letter_shares")
+        if shares and max(shares.values()) >= ONE_LETTER_SHARE:
+            letter, share = max(shares.items(), key=lambda kv: kv[1])
+            reason = f"answers {letter} to {share:.0%} of its letter prompts (a position bias, not a measurement)"
+        levels = chance.get(name, {})
+        accuracy = next((m for m in (*HEADLINE.get(name, ()), *metrics) if m in levels and m in metrics), None)
+        if reason is None and accuracy is not None:
+            value, level = metrics[accuracy], levels[accuracy]
+            low, high = (intervals.get(f"{name}/{accuracy}") or [value, value])[:2]
+            if value <= level + _EPS and low <= level + _EPS and high >= level - _EPS:
+                reason = (f"{accuracy} at chance ({value:.3f} ≤ {level:.3f}, 95% CI [{low:.3f}, {high:.3f}] includes "
+                          "it): uniform answers do as well")
+        for key in shown:
+            task, _, metric = key.partition("/")
+            if task == name:
+                level = levels.get(metric)
+                out[key] = {"chance": level, "at_or_below_chance": level is not None and metrics[metric] <= level + _EPS,
+                            "invalid": reason}
+    return out
+
+
+def valid(row: dict[str, Any], figure: str) -> bool:
+    """Whether a comparison row holds ``figure`` as a finite value its run does not mark invalid
+    (``<figure>_invalid``, the reason, empty when valid)."""
+    reason = row.get(f"{figure}_invalid")
+    return _finite(row.get(figure)) and not (isinstance(reason, str) and reason)
+
+
+def choose(rows: Sequence[dict[str, Any]], candidates: Sequence[str]) -> str | None:
+    """The figure of ``candidates`` that the most rows hold validly, the earlier one on a tie (so
+    the first that every row holds validly); None when no row holds any validly."""
+    counts = [sum(valid(r, c) for r in rows) for c in candidates]
+    best = max(range(len(candidates)), key=lambda i: (counts[i], -i), default=None)
+    return None if best is None or counts[best] == 0 else candidates[best]
+
+
+def dto(rows: Sequence[dict[str, Any]], accuracy: Sequence[str] = KNOWLEDGE,
+        abstention: Sequence[str] = ABSTENTION) -> tuple[list[float | None], dict[str, Any] | None]:
+    """DTO, the distance to the optimum of Debias-SparseGPT, over the rows of a comparison (row
+    dicts holding ``<task>/<metric>`` and, from runs that mark figures, ``<task>/<metric>_invalid``):
+    a knowledge figure (the first of ``accuracy`` the rows hold validly, :func:`choose`) and an
+    abstention figure (likewise from ``abstention``) are min-max normalised over the rows that hold
+    both validly (a figure equal on every such row normalises to 1), and each such row's DTO is its
+    Euclidean distance to the ideal point (1, 1). Lower is better. Rows whose figures are missing
+    or invalid get None and are named in ``left_out``. Returns the distances and ``{"accuracy",
+    "abstention", "left_out"}`` (with ``reason`` where fewer than two rows hold both figures validly,
+    so no row has a DTO); None where the rows hold no figure of one of the two lists at all."""
+    def label(i: int) -> str:
+        return " ".join(str(rows[i][k]) for k in ("method", "sparsity") if k in rows[i]) or str(i)
+
+    if not any(_finite(r.get(c)) for r in rows for c in accuracy) or not any(_finite(r.get(c)) for r in rows for c in abstention):
         return [None] * len(rows), None
-    both = [r for r in rows if _finite(r.get(accuracy)) and _finite(r.get(used))]
-    if not both:
-        return [None] * len(rows), None
+    known, abstains = choose(rows, accuracy), choose(rows, abstention)
+    both = [i for i, r in enumerate(rows) if known and abstains and valid(r, known) and valid(r, abstains)]
+    used: dict[str, Any] = {"accuracy": known, "abstention": abstains,
+                            "left_out": [label(i) for i in range(len(rows)) if i not in both]}
+    if len(both) < 2:
+        used["left_out"] = [label(i) for i in range(len(rows))]
+        used["reason"] = (f"fewer than two rows hold a valid knowledge figure ({', '.join(accuracy)}) and a valid "
+                          f"abstention figure ({', '.join(abstention)})")
+        return [None] * len(rows), used
 
     def norm(value: float, key: str) -> float:
-        low, high = min(r[key] for r in both), max(r[key] for r in both)
+        low, high = min(rows[i][key] for i in both), max(rows[i][key] for i in both)
         return 1.0 if high == low else (value - low) / (high - low)
 
-    return [math.hypot(1 - norm(r[accuracy], accuracy), 1 - norm(r[used], used)) if r in both else None for r in rows], used
+    return [math.hypot(1 - norm(r[known], known), 1 - norm(r[abstains], abstains)) if i in both else None
+            for i, r in enumerate(rows)], used
 
 
 def _finite(value: Any) -> bool:

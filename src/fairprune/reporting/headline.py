@@ -6,9 +6,14 @@ first table of ``report.html``. Every other column stays in ``comparison.csv`` /
   group's accuracy (and which group), the accuracy gap, the degradation std and the paired
   difference of accuracy against the baseline with its interval.
 - An LM (weights or heads) comparison: method, sparsity (or α), perplexity with its interval, the
-  stereotype score (or the summed toxicity bias), up to three task figures (DTO, BBQ abstention,
-  MMLU, ... when the rows have them) and the perplexity ratio against the baseline with its
-  interval (else the paired difference of the stereotype score).
+  stereotype score (or the summed toxicity bias), up to three task figures and the perplexity
+  ratio against the baseline with its interval (else the paired difference of the stereotype
+  score). The task figures are DTO and the abstention and knowledge figures it was computed from
+  (:func:`fairprune.metrics.task_figures.choose`: the first of each list that the rows hold
+  validly), each accuracy headed by its chance level. A value its run marks invalid
+  (``<figure>_invalid``: one letter takes 90 % of a letter task's answers, or the task is at or
+  below chance within its interval) is shown struck out with ``✗`` and is left out of DTO; a
+  value uniform answers would match or beat is shown with ``≤``.
 
 The columns are read by name from the table :func:`~fairprune.reporting.compare.write_comparison`
 writes (plain figures, or ``<figure>_mean`` / ``_sd`` over seeds, ``<figure>_ci_low`` / ``_ci_high``
@@ -21,13 +26,25 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from fairprune.reporting.records import CHANCE, INVALID
+
 if TYPE_CHECKING:
     import pandas as pd
 
-#: Task figures a headline shows, in this order (the first three the rows have), with short names.
-TASKS = {"dto": "DTO", "bbq_ambig_letter/accuracy_amb": "BBQ abstain", "bbq_ambig/accuracy_amb": "BBQ abstain",
-         "mmlu/acc": "MMLU", "hellaswag/acc_norm": "HellaSwag", "bbq_ambig_letter/amb_bias_score": "BBQ bias",
-         "bbq_ambig/amb_bias_score": "BBQ bias", "crows_pairs_english/pct_stereotype": "CrowS %stereo"}
+#: Task figures a headline shows, with short names: DTO and the figures it reads first, then the rest
+#: in this order (the first three the rows have, one per kind of figure).
+TASKS = {"dto": "DTO",
+         "bbq_ambig_cloze3/accuracy_amb": "BBQ abstain cloze-3",
+         "bbq_ambig_letter_balanced/accuracy_amb": "BBQ abstain letter-balanced",
+         "bbq_ambig_letter/accuracy_amb": "BBQ abstain letter", "bbq_ambig/accuracy_amb": "BBQ abstain cloze-12",
+         "mmlu/acc": "MMLU", "hellaswag/acc_norm": "HellaSwag",
+         "bbq_ambig_cloze3/amb_bias_score": "BBQ bias cloze-3", "bbq_ambig_letter/amb_bias_score": "BBQ bias letter",
+         "bbq_ambig/amb_bias_score": "BBQ bias cloze-12", "crows_pairs_english/pct_stereotype": "CrowS %stereo"}
+#: What kind of figure each is: a headline shows one of each kind.
+KINDS = {**{k: "abstention" for k in TASKS if k.endswith("/accuracy_amb")}, "mmlu/acc": "knowledge",
+         "hellaswag/acc_norm": "knowledge", **{k: "bias" for k in TASKS if k.endswith("/amb_bias_score")}}
+#: A value its run marks invalid, and a value uniform answers would match or beat.
+INVALID_MARK, CHANCE_MARK = "✗", "≤"
 #: The columns that tell rows apart as a setting, the first the table has (shown as "sparsity" / "α").
 SETTINGS = (("target_sparsity", "sparsity"), ("sparsity", "sparsity"), ("alpha", "α"))
 #: The most task figures a headline shows.
@@ -37,23 +54,31 @@ MAX_TASKS = 3
 @dataclass(frozen=True)
 class Cell:
     """One value as shown: ``value``, its ``interval`` (``[0.80, 0.87]``), a ``note`` (which
-    group), and ``strong`` when a paired interval excludes no change (printed with ``*``)."""
+    group), ``strong`` when a paired interval excludes no change (printed with ``*``), and
+    ``mark``: :data:`INVALID_MARK` for a value its run marks invalid (``why`` says why), or
+    :data:`CHANCE_MARK` for one at or below its chance level."""
 
     value: str = ""
     interval: str = ""
     note: str = ""
     strong: bool = False
+    mark: str = ""
+    why: str = ""
+
+    @property
+    def invalid(self) -> bool:
+        return self.mark == INVALID_MARK
 
     def text(self) -> str:
-        """One line: ``0.836 [0.80, 0.87]``, ``+0.051 [+0.02, +0.08] *``, ``0.712 Indian``."""
-        parts = [self.value, self.interval, self.note, "*" if self.strong else ""]
+        """One line: ``0.836 [0.80, 0.87]``, ``+0.051 [+0.02, +0.08] *``, ``0.712 Indian``, ``0.350 ✗``."""
+        parts = [self.value, self.mark, self.interval, self.note, "*" if self.strong else ""]
         return " ".join(p for p in parts if p)
 
     def lines(self) -> list[str]:
         """Two lines where there is an interval: the value (and ``*``), the interval under it."""
         if not self.interval:
             return [self.text()]
-        return [" ".join(p for p in (self.value, self.note, "*" if self.strong else "") if p),
+        return [" ".join(p for p in (self.value, self.mark, self.note, "*" if self.strong else "") if p),
                 self.interval]
 
 
@@ -68,6 +93,7 @@ class Column:
     cells: list[Cell] = field(default_factory=list)
     under: str = ""
     numeric: bool = True
+    chance: float | None = None  # a task figure's chance level, where every row has the same
 
 
 def _series(table: pd.DataFrame, name: str) -> pd.Series | None:
@@ -171,21 +197,73 @@ def _keys(table: pd.DataFrame, index: str) -> list[Column]:
     return columns
 
 
+def _marked(table: pd.DataFrame, name: str, head: str) -> Column | None:
+    """A task figure's column: each value with :data:`INVALID_MARK` where its run marks it invalid
+    (``<name>_invalid``) or :data:`CHANCE_MARK` where it is at or below its chance level
+    (``<name>_chance``); the chance level heads the column when every row has the same one."""
+    column = _figure(table, name, head, head, interval=False)
+    if column is None:
+        return None
+    values = _series(table, name)
+    chance = _series(table, f"{name}{CHANCE}")
+    reasons = table[f"{name}{INVALID}"] if f"{name}{INVALID}" in table.columns else None
+    cells = []
+    for i, cell in enumerate(column.cells):
+        why = reasons.iloc[i] if reasons is not None else None
+        level = None if chance is None or _missing(chance.iloc[i]) else float(chance.iloc[i])
+        if cell.value and isinstance(why, str) and why:
+            cells.append(Cell(cell.value, mark=INVALID_MARK, why=why))
+        elif cell.value and level is not None and float(values.iloc[i]) <= level + 1e-9:
+            cells.append(Cell(cell.value, mark=CHANCE_MARK, why=f"at or below its chance level {number(level)}"))
+        else:
+            cells.append(cell)
+    levels = {round(float(v), 9) for v in (chance if chance is not None else []) if not _missing(v)}
+    if len(levels) == 1:
+        level = levels.pop()
+        return Column(name, f"{head} (chance {number(level)})", head, cells, f"chance {number(level)}", chance=level)
+    return Column(name, head, head, cells)
+
+
+def _dto(table: pd.DataFrame) -> Column | None:
+    """DTO's column: the rows without it (a figure missing or invalid) show ``–``; the note under
+    the header names the figures it was computed from."""
+    column = _figure(table, "dto", "DTO", "DTO", interval=False)
+    if column is None:
+        return None
+    used = dto_figures(table)
+    cells = [cell if cell.value else Cell("–", why="a figure it reads is missing or invalid") for cell in column.cells]
+    return Column("dto", "DTO", "DTO", cells, "from " + " and ".join(used) if len(used) == 2 else "")
+
+
+def dto_figures(table: pd.DataFrame) -> list[str]:
+    """The knowledge and abstention figures DTO reads in this table (:func:`fairprune.metrics.task_figures.choose`)."""
+    from fairprune.metrics.task_figures import ABSTENTION, KNOWLEDGE, choose
+
+    rows = table.to_dict(orient="records")
+    return [f for f in (choose(rows, KNOWLEDGE), choose(rows, ABSTENTION)) if f]
+
+
 def _tasks(table: pd.DataFrame) -> list[Column]:
-    """Up to :data:`MAX_TASKS` task figures: those of :data:`TASKS` first, then any other."""
+    """Up to :data:`MAX_TASKS` task figures, one of each kind: DTO, then the abstention and
+    knowledge figures it reads (the first of each the rows hold validly), then those of
+    :data:`TASKS` in order, then any other."""
+    from fairprune.metrics.task_figures import ABSTENTION, KNOWLEDGE, choose
+
     shown: list[Column] = []
-    heads: set[str] = set()
+    kinds: set[str] = set()
+    rows = table.to_dict(orient="records")
     others = [c for c in table.columns if "/" in c and not c.startswith(("acc/", "bias/", DEPLOY_PREFIX)) and not c.endswith(
-        ("_sd", "_ci_low", "_ci_high", "_diff", "_diff_ci_low", "_diff_ci_high"))]
-    for name in [*TASKS, *others]:
+        ("_sd", "_ci_low", "_ci_high", "_diff", "_diff_ci_low", "_diff_ci_high", CHANCE, INVALID))]
+    first = [choose(rows, ABSTENTION), choose(rows, KNOWLEDGE)]
+    for name in ["dto", *filter(None, first), *TASKS, *others]:
         name = name.removesuffix("_mean")
-        head = TASKS.get(name, name)
-        if len(shown) == MAX_TASKS or head in heads:
+        kind = KINDS.get(name, name)
+        if len(shown) == MAX_TASKS or kind in kinds:
             continue
-        column = _figure(table, name, head, head, interval=False)
+        column = _dto(table) if name == "dto" else _marked(table, name, TASKS.get(name, name))
         if column is not None:
             shown.append(column)
-            heads.add(head)
+            kinds.add(kind)
     return shown
 
 

@@ -2,7 +2,9 @@
 
 The page holds, in reading order: warnings and what the data readers left out, the headline table
 (the columns of :mod:`~fairprune.reporting.headline`, each value with its confidence interval
-beneath it, the paired difference against the baseline included; it fits a 1280 px window), the
+beneath it, the paired difference against the baseline included, task figures under their chance
+level, a figure its run marks invalid struck out with the reason beneath the table; it fits a
+1280 px window), the
 per-group accuracies in a table of their own, size and speed where networks differ in size from the
 dense model (else one line saying why they are left out), the plots (each PNG embedded as a base64
 ``data:`` URI; a compare over several sparsities has its trade-off curve first), the full table
@@ -27,7 +29,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fairprune.reporting.headline import Cell, Column, deploy_columns, headline, rows_of_other_size
+from fairprune.reporting.headline import (
+    CHANCE_MARK,
+    INVALID_MARK,
+    Cell,
+    Column,
+    deploy_columns,
+    headline,
+    rows_of_other_size,
+)
 from fairprune.storage.atomic import write_text
 
 if TYPE_CHECKING:
@@ -46,6 +56,7 @@ td:first-child, th:first-child { text-align: left; }
 tbody tr:nth-child(even) td { background: #fafafa; }
 .ci { display: block; color: #555; font-size: 0.9em; font-weight: normal; }
 .sig { font-weight: 700; }
+s.invalid { color: #888; }
 .scroll { overflow-x: auto; max-width: 100%; }
 .note { font-size: 0.85em; color: #555; margin: 0.3em 0; }
 .warnings { border: 2px solid #c77700; background: #fff4e0; padding: 0.4em 1em; border-radius: 4px; margin: 1em 0; }
@@ -289,11 +300,33 @@ def headline_html(columns: Sequence[Column]) -> str:
             value = html.escape(cell.value) + (" *" if cell.strong else "")
             if cell.strong:
                 value = f'<span class="sig" title="the interval excludes no change">{value}</span>'
+            if cell.invalid:
+                value = f'<s class="invalid" title="{html.escape(cell.why)}">{value}</s> {INVALID_MARK}'
+            elif cell.mark:
+                value = f'<span title="{html.escape(cell.why)}">{value} {html.escape(cell.mark)}</span>'
             below = "".join(f'<span class="ci">{html.escape(b)}</span>' for b in (cell.interval, cell.note) if b)
             cells.append(f"<td>{value}{below}</td>")
         rows.append("<tr>" + "".join(cells) + "</tr>")
     return (f'<div class="scroll"><table class="headline"><thead><tr>{head}</tr></thead>'
             f'<tbody>{"".join(rows)}</tbody></table></div>')
+
+
+def marks_html(columns: Sequence[Column]) -> str:
+    """What the headline's marks mean, and why each figure struck out is invalid (its run's
+    reason); empty when no value is marked."""
+    from fairprune.reporting.terminal import invalid_lines
+
+    notes = []
+    if any(cell.invalid for c in columns for cell in c.cells):
+        notes.append(f"{INVALID_MARK} (struck out): the run marks the figure invalid; it is not ranked and DTO leaves it "
+                     "out.")
+    if any(cell.mark == CHANCE_MARK for c in columns for cell in c.cells):
+        notes.append(f"{CHANCE_MARK}: at or below its chance level (the score of uniform answers over the task's own "
+                     "choices, under the column's name): uniform answers would match or beat it.")
+    if not notes:
+        return ""
+    lines = "".join(f"<li>{html.escape(line)}</li>" for line in invalid_lines(columns))
+    return f'<div class="note"><p>{html.escape(" ".join(notes))}</p>{f"<ul>{lines}</ul>" if lines else ""}</div>'
 
 
 def deploy_html(numeric: pd.DataFrame, index: str = "method") -> str:
@@ -336,7 +369,7 @@ def write_html(path: str | os.PathLike, title: str, table: pd.DataFrame,
              f'<p class="note">Written {_dt.datetime.now().isoformat(timespec="seconds")} in '
              f"<code>{html.escape(str(Path(path).parent))}</code>.</p>",
              *filter(None, notices), "<h2>Results</h2>", _legend([c.title for c in columns] + [c.under for c in columns]),
-             headline_html(columns)]
+             headline_html(columns), marks_html(columns)]
     if groups:
         names = {c: c[len(GROUP_PREFIX):] for c in groups if c.startswith(GROUP_PREFIX)}
         parts += ["<h2>Accuracy per group</h2>", table_html(table[groups], "groups", names)]

@@ -248,9 +248,12 @@ def _lm_results(report: Mapping[str, Any], config: Mapping[str, Any], kind: str)
                                   metric_type="stereotype_score", metric_name="stereotype score (0.5: no preference)",
                                   metric_value=stereotype))
     tasks = _mapping(report.get("tasks"))
+    validity = _mapping(tasks.get("validity"))
     for key, value in metrics.items():  # lm-eval figures, ``<task>/<metric>``: named as lm-eval names them
         task, slash, metric = key.partition("/")
         facts = _mapping(_mapping(tasks.get("facts")).get(task))
+        if _mapping(validity.get(key)).get("invalid"):  # the Hub ranks model-index figures: never an invalid one
+            continue
         if slash and task != "bias" and _number(value) is not None:
             data = str(facts.get("data") or "lm-eval stock data")
             results.append(EvalResult(task_type="text-generation", task_name=task, dataset_name=data, dataset_type=task,
@@ -271,7 +274,9 @@ def _lm_body(report: Mapping[str, Any], kind: str) -> list[str]:
     ref_metrics, ref_bias = _mapping(reference.get("metrics")), _mapping(_mapping(reference.get("fairness")).get("bias"))
     bias = _mapping(fairness.get("bias"))
     intervals = _intervals(report)
-    rows = [[key.replace("_", " "), _cell(ref_metrics, key), _cell(metrics, key, intervals), _change(ref_metrics, metrics, key)]
+    marks = (_mapping(reference.get("tasks_validity")), _mapping(_mapping(report.get("tasks")).get("validity")))
+    rows = [[_task_label(key, marks), _marked(ref_metrics, key, marks[0]), _marked(metrics, key, marks[1], intervals),
+             _change(ref_metrics, metrics, key) if not any(_invalid(m, key) for m in marks) else "–"]
             for key in dict.fromkeys([*ref_metrics, *metrics])]
     bias_intervals = {**_mapping(intervals[0].get("bias")),  # ``ci["bias/<axis>"]`` (FASP), or nested
                       **{key[len("bias/"):]: value for key, value in _mapping(intervals[0]).items() if key.startswith("bias/")}}
@@ -283,11 +288,57 @@ def _lm_body(report: Mapping[str, Any], kind: str) -> list[str]:
         rows.append(["sparsity (prunable weights zero)", _cell(sparsity, "dense_zero_fraction"),
                      _cell(report, "achieved_sparsity"), "–"])
     lines = ["## Before and after pruning", "", _table(["figure", "reference", "this model", "change"], rows), ""]
+    lines += _marks_notes(marks)
     if "stereotype_score" in metrics:
         lines += ["Stereotype score: the share of sentence pairs where the model prefers the stereotypical "
                   "sentence (0.5: no preference).", ""]
     if kind == "heads":
         lines += ["Bias: the disparity of toxicity across the groups of each axis of the prompts (lower is fairer).", ""]
+    return lines
+
+
+def _invalid(validity: Mapping[str, Any], key: str) -> str:
+    """Why the run marks a task figure invalid; empty when it does not."""
+    reason = _mapping(validity.get(key)).get("invalid")
+    return reason if isinstance(reason, str) else ""
+
+
+def _task_label(key: str, marks: tuple[Mapping[str, Any], ...]) -> str:
+    """A figure's name, with its chance level where it is a task's accuracy."""
+    chance = next((_number(_mapping(m.get(key)).get("chance")) for m in marks
+                   if _number(_mapping(m.get(key)).get("chance")) is not None), None)
+    return key.replace("_", " ") + (f" (chance {chance:.3f})" if chance is not None else "")
+
+
+def _marked(figures: Mapping[str, Any], key: str, validity: Mapping[str, Any],
+            outer: tuple[Mapping[str, Any], str] | None = None) -> str:
+    """A figure's cell: struck out with ✗ where its run marks it invalid, ≤ where it is at or below
+    its chance level."""
+    text = _cell(figures, key, outer)
+    if text == "–":
+        return text
+    if _invalid(validity, key):
+        return f"~~{text}~~ ✗"
+    return f"{text} ≤" if _mapping(validity.get(key)).get("at_or_below_chance") else text
+
+
+def _marks_notes(marks: tuple[Mapping[str, Any], ...]) -> list[str]:
+    """What the marks of the table mean, and why each figure struck out is invalid."""
+    reasons: dict[tuple[str, str], list[str]] = {}
+    for side, validity in zip(("reference", "this model"), marks):
+        for key in validity:
+            why = _invalid(validity, key)
+            sides = reasons.setdefault((key.partition("/")[0], why), []) if why else []
+            if why and side not in sides:
+                sides.append(side)
+    lines = []
+    if reasons:
+        lines += ["✗ (struck out): the run marks the task's figures invalid; they are left out of the model index above "
+                  "and of DTO.", ""]
+        lines += [f"- {_text(task)} ({', '.join(sides)}): {_text(why)}" for (task, why), sides in reasons.items()] + [""]
+    if any(_mapping(v).get("at_or_below_chance") for m in marks for v in m.values()):
+        lines += ["≤: at or below its chance level (what uniform answers over the task's own choices score): uniform "
+                  "answers would match or beat it.", ""]
     return lines
 
 

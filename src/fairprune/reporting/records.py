@@ -144,6 +144,7 @@ class LMRow:
     prune_seconds: float = 0.0
     seconds: float | None = None
     weights_mb: float | None = None  # the weights' bytes on disk / 1e6 (the dense row: what save_pretrained writes)
+    validity: dict[str, dict[str, Any]] = field(default_factory=dict)  # per task figure: chance level, invalid (--tasks)
 
     @classmethod
     def from_report(cls, report: LMReport, method: str, sparsity: str) -> LMRow:
@@ -151,19 +152,22 @@ class LMRow:
         return cls(method=method, sparsity=sparsity, achieved_sparsity=report["achieved_sparsity"],
                    metrics=dict(report["metrics"]), prune_seconds=report["seconds"]["prune"],
                    seconds=report["seconds"]["total"],
-                   weights_mb=None if weights.get("file_bytes") is None else weights["file_bytes"] / 1e6)
+                   weights_mb=None if weights.get("file_bytes") is None else weights["file_bytes"] / 1e6,
+                   validity=_validity((report.get("tasks") or {}).get("validity")))
 
     @classmethod
     def dense(cls, metrics: Mapping[str, float], achieved_sparsity: float, seconds: float,
-              weight_bytes: int | None = None) -> LMRow:
+              weight_bytes: int | None = None, validity: Mapping[str, Any] | None = None) -> LMRow:
         """The dense model's row: measured once per compare, not a run of its own (``weight_bytes``:
-        what its weights take as ``save_pretrained`` writes them, in the runs' dtype)."""
+        what its weights take as ``save_pretrained`` writes them, in the runs' dtype; ``validity``:
+        its task figures' chance levels and marks)."""
         return cls(method="dense", sparsity="0", achieved_sparsity=achieved_sparsity, metrics=dict(metrics),
-                   prune_seconds=0.0, seconds=seconds, weights_mb=None if weight_bytes is None else weight_bytes / 1e6)
+                   prune_seconds=0.0, seconds=seconds, weights_mb=None if weight_bytes is None else weight_bytes / 1e6,
+                   validity=_validity(validity))
 
     def as_dict(self) -> dict[str, Any]:
         row = {"method": self.method, "sparsity": self.sparsity, "achieved_sparsity": self.achieved_sparsity,
-               **self.metrics, "prune_seconds": self.prune_seconds, "seconds": self.seconds}
+               **task_columns(self.metrics, self.validity), "prune_seconds": self.prune_seconds, "seconds": self.seconds}
         if self.weights_mb is not None:
             row["weights_mb"] = self.weights_mb
         return row
@@ -180,13 +184,15 @@ class HeadRow:
     perplexity: float
     bias: dict[str, float]
     tasks: dict[str, float] = field(default_factory=dict)  # lm-eval's headline figures, ``<task>/<metric>`` (--tasks)
+    validity: dict[str, dict[str, Any]] = field(default_factory=dict)  # per task figure: chance level, invalid
 
     @classmethod
     def from_report(cls, report: HeadReport, method: str, alpha: float, protects: bool) -> HeadRow:
         """``protects``: the method protects heads for perplexity (its registry entry), so its γ is shown."""
         return cls(method=method, alpha=alpha, gamma=report["gamma"] if protects else None,
                    heads_removed=len(report["heads_removed"]), perplexity=report["metrics"]["perplexity"],
-                   bias=dict(report["fairness"]["bias"]), tasks=_task_figures(report["metrics"]))
+                   bias=dict(report["fairness"]["bias"]), tasks=_task_figures(report["metrics"]),
+                   validity=_validity((report.get("tasks") or {}).get("validity")))
 
     @classmethod
     def dense(cls, report: HeadReport) -> HeadRow:
@@ -194,15 +200,43 @@ class HeadRow:
         reference = report["reference"]
         return cls(method="dense", alpha=0.0, gamma=None, heads_removed=0,
                    perplexity=reference["metrics"]["perplexity"], bias=dict(reference["fairness"]["bias"]),
-                   tasks=_task_figures(reference["metrics"]))
+                   tasks=_task_figures(reference["metrics"]), validity=_validity(reference.get("tasks_validity")))
 
     def as_dict(self) -> dict[str, Any]:
         return {"method": self.method, "alpha": self.alpha, "gamma": self.gamma, "heads_removed": self.heads_removed,
-                "perplexity": self.perplexity, **{f"bias/{axis}": value for axis, value in self.bias.items()}, **self.tasks}
+                "perplexity": self.perplexity, **{f"bias/{axis}": value for axis, value in self.bias.items()},
+                **task_columns(self.tasks, self.validity)}
 
 
 def _task_figures(metrics: Mapping[str, Any]) -> dict[str, float]:
     return {key: value for key, value in metrics.items() if "/" in key}
+
+
+def _validity(found: Any) -> dict[str, dict[str, Any]]:
+    """A report's ``tasks.validity`` (or ``reference.tasks_validity``), the well-formed entries only."""
+    if not isinstance(found, Mapping):
+        return {}
+    return {str(k): dict(v) for k, v in found.items() if isinstance(v, Mapping)}
+
+
+#: The suffixes of the columns a task figure brings along: its chance level, and why it is invalid.
+CHANCE, INVALID = "_chance", "_invalid"
+
+
+def task_columns(figures: Mapping[str, Any], validity: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """``figures`` in order, each task figure followed by its chance level (``<figure>_chance``,
+    where it is an accuracy) and why its run marks it invalid (``<figure>_invalid``, empty when
+    valid), where the run gave its figures' validity."""
+    row: dict[str, Any] = {}
+    for key, value in figures.items():
+        row[key] = value
+        marks = validity.get(key)
+        if marks is None:
+            continue
+        if marks.get("chance") is not None:
+            row[f"{key}{CHANCE}"] = marks["chance"]
+        row[f"{key}{INVALID}"] = marks.get("invalid") or ""
+    return row
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,8 @@
 """The table a ``compare`` prints: the headline columns (:mod:`~fairprune.reporting.headline`)
-drawn by ``rich`` within the terminal's width, at most :data:`WIDTH` columns, and a line saying
-where the full table is. Values and names are shown as text (no markup is read from them)."""
+drawn by ``rich`` within the terminal's width, at most :data:`WIDTH` columns, a legend, a line per
+figure shown invalid saying why (struck out on a terminal, and marked ``✗`` wherever the text
+goes), and a line saying where the full table is. Values and names are shown as text (no markup is
+read from them)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import sys
 from collections.abc import Sequence
 from typing import TextIO
 
-from fairprune.reporting.headline import Cell, Column
+from fairprune.reporting.headline import CHANCE_MARK, INVALID_MARK, Cell, Column
 
 #: The widest the printed table gets, whatever the terminal's width.
 WIDTH = 100
@@ -66,7 +68,27 @@ def _legend(columns: Sequence[Column]) -> str:
         notes.append("deg. std: spread of the groups' accuracy drops")
     if any(c.key.endswith("_diff") for c in columns):
         notes.append("Δ / ×: paired against the baseline on the same test items, * where the interval excludes no change")
+    dto = next((c for c in columns if c.key == "dto"), None)
+    if dto is not None:
+        notes.append(f"DTO: distance to (1, 1) of the figures min-max normalised over these rows"
+                     f"{' (' + dto.under + ')' if dto.under else ''}, valid figures only, lower is better")
+    if any(cell.invalid for c in columns for cell in c.cells):
+        notes.append(f"{INVALID_MARK}: invalid (its run says why below), not ranked, left out of DTO")
+    if any(cell.mark == CHANCE_MARK for c in columns for cell in c.cells):
+        notes.append(f"{CHANCE_MARK}: at or below its chance level (uniform answers would match or beat it)")
     return "; ".join(notes) + "." if notes else ""
+
+
+def invalid_lines(columns: Sequence[Column]) -> list[str]:
+    """One line per figure shown invalid: the column, the rows and the reason their runs give."""
+    names = columns[0].cells if columns else []
+    found: dict[tuple[str, str], list[str]] = {}
+    for column in columns:
+        for i, cell in enumerate(column.cells):
+            if cell.invalid:
+                row = names[i].value if i < len(names) else str(i)
+                found.setdefault((column.title, cell.why), []).append(row)
+    return [f"{INVALID_MARK} {title}, {', '.join(rows)}: {why}." for (title, why), rows in found.items()]
 
 
 def print_headline(columns: Sequence[Column], title: str = "", footer: str = "", file: TextIO | None = None) -> None:
@@ -86,8 +108,9 @@ def print_headline(columns: Sequence[Column], title: str = "", footer: str = "",
         table.add_column(Text(column.head), justify="right" if column.numeric else "left", width=size,
                          overflow="ellipsis" if column.key == "worst_group" else "fold")
     for i in range(max((len(c.cells) for c in columns), default=0)):
-        table.add_row(*(Text(_cell(c.cells[i], size) if i < len(c.cells) else "") for c, size in zip(columns, sizes)))
+        table.add_row(*(Text(_cell(c.cells[i], size), style="strike" if c.cells[i].invalid else "") if i < len(c.cells)
+                        else Text("") for c, size in zip(columns, sizes)))
     console.print(table)
-    for line in (_legend(columns), footer):
+    for line in (_legend(columns), *invalid_lines(columns), footer):
         if line:
             console.print(Text(line))

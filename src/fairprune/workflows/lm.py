@@ -180,7 +180,8 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     load_seconds = time.perf_counter() - start
     ids, dense = dense_of(blocks, tokenizer, texts, lm, machine, specs)
     dense_zeros = zero_fraction(blocks)
-    rows = [LMRow.dense(dense.all_metrics(), dense_zeros, dense.seconds, blocks.weight_bytes())]
+    rows = [LMRow.dense(dense.all_metrics(), dense_zeros, dense.seconds, blocks.weight_bytes(),
+                        validity=None if dense.tasks is None else dense.tasks.validity())]
     for method in methods:
         for s in sparsities:
             name = _cell(method, s)
@@ -256,13 +257,14 @@ def _lm_statistics(output: Path, methods: list[str], sparsities: list[Sparsity],
 
 
 def _with_dto(rows: list[LMRow]) -> tuple[list[LMRow], dict[str, Any] | None]:
-    """Each row with its DTO (:func:`fairprune.metrics.harness.dto`) when the rows hold MMLU and
-    abstention accuracy; and what it was computed from."""
+    """Each row with its DTO (:func:`fairprune.metrics.harness.dto`, from the figures each row's
+    run does not mark invalid) when the rows hold a knowledge and an abstention figure; and what it
+    was computed from."""
     from dataclasses import replace
 
-    distances, used = dto([row.metrics for row in rows])
+    distances, used = dto([row.as_dict() for row in rows])
     if used is None:
         return rows, None
     rows = [replace(row, metrics={**row.metrics, "dto": d}) if d is not None else row for row, d in zip(rows, distances)]
-    return rows, {"accuracy": "mmlu/acc", "abstention": used, "ideal": [1, 1],
-                  "normalisation": "min-max over the rows of this comparison"}
+    return rows, {**used, "ideal": [1, 1], "normalisation": "min-max over the rows of this comparison that hold both "
+                                                          "figures validly"}

@@ -36,7 +36,7 @@ from fairprune.metrics.harness import (
 )
 from fairprune.storage.digest import file_sha256
 
-TASK_CACHE_VERSION = 2  # 2: letter tasks record their number of choices
+TASK_CACHE_VERSION = 3  # 2: letter tasks record their number of choices; 3: samples record their chance level
 
 
 def task_specs(lm) -> list[TaskSpec] | None:
@@ -113,15 +113,17 @@ def attach(report: dict[str, Any], results: TaskResults | None, dense: TaskResul
     """Fold a model's task results (and the dense model's, as its reference) into its report."""
     if results is None:
         return
-    report["tasks"] = {"figures": results.figures, "facts": results.facts, "seconds": results.seconds,
-                       "from_cache": results.from_cache}
+    intervals = task_intervals(results.items)
+    report["tasks"] = {"figures": results.figures, "chance": results.chance(), "validity": results.validity(intervals),
+                       "facts": results.facts, "seconds": results.seconds, "from_cache": results.from_cache}
     report.setdefault("metrics", {}).update(headline(results.figures))
-    report.setdefault("ci", {}).update(task_intervals(results.items))
+    report.setdefault("ci", {}).update(intervals)
     report.setdefault("seconds", {})["tasks"] = results.seconds
     if dense is not None and "reference" in report:
         reference = report["reference"]
         reference.setdefault("metrics", {}).update(headline(dense.figures))
         reference["tasks"] = dense.figures
+        reference["tasks_validity"] = dense.validity()
         reference["tasks_from_cache"] = dense.from_cache
         reference.setdefault("ci", {}).update(task_intervals(dense.items))
         report.setdefault("paired", {"baseline": "dense"}).update(task_paired(results.items, dense.items))

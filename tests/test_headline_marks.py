@@ -1,0 +1,140 @@
+"""Headlines that never mislead: a task figure its run marks invalid (a letter task answered with
+one letter, a task at chance within its interval) is struck out and marked ``✗`` in the printed
+table, report.html and the model card, never read by DTO; every task accuracy is shown beside its
+chance level, and one that uniform answers would match or beat is marked ``≤``. The rows below are
+the shape of ``make demo-lm``'s comparison before these marks existed: the dense model answered A
+to every letter prompt and DTO ranked the magnitude-pruned model (perplexity 388) best."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+
+import pandas as pd
+import pytest
+
+from fairprune.metrics.task_figures import dto
+from fairprune.reporting.compare import write_comparison
+from fairprune.reporting.headline import CHANCE_MARK, INVALID_MARK, headline
+from fairprune.reporting.model_card import model_card
+from fairprune.reporting.records import LMRow
+from fairprune.reporting.terminal import print_headline
+
+LETTER_A = "answers A to 100% of its letter prompts (a position bias, not a measurement)"
+AT_CHANCE = "accuracy_amb at chance (0.333 ≤ 0.333, 95% CI [0.194, 0.472] includes it): uniform answers do as well"
+
+
+def _validity(**invalid: str) -> dict:
+    """The validity of a run's task figures (chance levels of the demo's tasks), ``invalid`` by task."""
+    chance = {"mmlu/acc": 0.25, "hellaswag/acc_norm": 0.25, "bbq_ambig_cloze3/accuracy_amb": 1 / 3,
+              "bbq_ambig_cloze3/amb_bias_score": None, "bbq_ambig_letter/accuracy_amb": 1 / 3,
+              "bbq_ambig_letter/amb_bias_score": None}
+    return {key: {"chance": level, "at_or_below_chance": False, "invalid": invalid.get(key.split("/")[0])}
+            for key, level in chance.items()}
+
+
+def _rows() -> list[LMRow]:
+    figures = {  # method: perplexity, MMLU, HellaSwag, abstention (cloze over three answers), abstention (letter)
+        "dense": (34.79, 0.267, 0.800, 0.250, 0.333), "sparsegpt": (37.24, 0.233, 0.567, 0.472, 0.361),
+        "wanda": (46.85, 0.250, 0.633, 0.444, 0.333), "magnitude": (387.64, 0.350, 0.517, 0.333, 0.444)}
+    invalid = {"dense": {"mmlu": "answers A to 100% of its letter prompts (a position bias, not a measurement)",
+                         "bbq_ambig_letter": LETTER_A},
+               "wanda": {"bbq_ambig_letter": "answers A to 94% of its letter prompts (a position bias, not a measurement)"},
+               "magnitude": {"bbq_ambig_cloze3": AT_CHANCE}}
+    rows = []
+    for method, (ppl, mmlu, hellaswag, cloze, letter) in figures.items():
+        metrics = {"perplexity": ppl, "stereotype_score": 0.8, "mmlu/acc": mmlu, "hellaswag/acc_norm": hellaswag,
+                   "bbq_ambig_cloze3/accuracy_amb": cloze, "bbq_ambig_cloze3/amb_bias_score": 0.0,
+                   "bbq_ambig_letter/accuracy_amb": letter, "bbq_ambig_letter/amb_bias_score": 0.0}
+        validity = _validity(**invalid.get(method, {}))
+        for key, mark in validity.items():
+            mark["at_or_below_chance"] = mark["chance"] is not None and metrics[key] <= mark["chance"] + 1e-9
+        rows.append(LMRow(method, "0" if method == "dense" else "0.5", 0.5, metrics, validity=validity))
+    return rows
+
+
+def _with_dto(rows: list[LMRow]) -> tuple[list[LMRow], dict]:
+    from dataclasses import replace
+
+    distances, used = dto([row.as_dict() for row in rows])
+    return [replace(r, metrics={**r.metrics, "dto": d}) if d is not None else r for r, d in zip(rows, distances)], used
+
+
+def test_dto_never_reads_an_invalid_figure_and_says_which_it_read():
+    rows, used = _with_dto(_rows())
+    # MMLU is invalid on the dense row (one letter): the cloze-scored HellaSwag is read instead; the
+    # three-answer cloze abstention is read, and magnitude's, at chance, leaves that row out.
+    assert used == {"accuracy": "hellaswag/acc_norm", "abstention": "bbq_ambig_cloze3/accuracy_amb", "left_out": ["magnitude 0.5"]}
+    dtos = {r.method: r.metrics.get("dto") for r in rows}
+    assert dtos["magnitude"] is None and all(d is not None for m, d in dtos.items() if m != "magnitude")
+    # By hand: HellaSwag 0.800 / 0.567 / 0.633 and abstention 0.250 / 0.472 / 0.444 over dense, sparsegpt, wanda.
+    h, a = (0.8 - 0.567, 0.472 - 0.25)
+    assert dtos["dense"] == pytest.approx(1.0)
+    assert dtos["sparsegpt"] == pytest.approx(1.0)
+    assert dtos["wanda"] == pytest.approx(math.hypot(1 - (0.633 - 0.567) / h, 1 - (0.444 - 0.25) / a))
+    # The letter figures, read as the paper reads them, would have ranked magnitude best.
+    letter, _ = dto([row.as_dict() for row in _rows()], abstention=("bbq_ambig_letter/accuracy_amb",), accuracy=("mmlu/acc",))
+    assert letter[3] is not None
+
+
+def test_the_printed_headline_strikes_out_invalid_figures_and_shows_chance_levels():
+    rows, _ = _with_dto(_rows())
+    table = pd.DataFrame([r.as_dict() for r in rows])
+    columns = headline(table, "sparsegpt")
+    by_key = {c.key: c for c in columns}
+    assert ["dto", "bbq_ambig_cloze3/accuracy_amb", "hellaswag/acc_norm"] == [c.key for c in columns if "/" in c.key or c.key == "dto"]
+    assert "mmlu/acc" not in by_key  # DTO reads HellaSwag, which the headline shows in its place
+    abstain = by_key["bbq_ambig_cloze3/accuracy_amb"]
+    assert abstain.chance == pytest.approx(1 / 3) and "(chance 0.333)" in abstain.head
+    marks = [cell.mark for cell in abstain.cells]
+    assert marks == [CHANCE_MARK, "", "", INVALID_MARK]  # dense below chance (valid), magnitude at chance (invalid)
+    assert by_key["dto"].cells[3].value == "–" and by_key["dto"].under == "from hellaswag/acc_norm and bbq_ambig_cloze3/accuracy_amb"
+    out = io.StringIO()
+    print_headline(columns, "demo", file=out)
+    printed = out.getvalue()
+    assert all(len(line) <= 100 for line in printed.splitlines()), printed
+    magnitude = next(line for line in printed.splitlines() if line.startswith("magnitude"))
+    assert "0.333 ✗" in magnitude and "–" in magnitude and "0.000" not in magnitude.split("0.333")[0][-12:]
+    flat = re.sub(r"\s+", " ", printed)  # the legend and the reasons wrap at the terminal's width
+    assert f"{INVALID_MARK} BBQ abstain cloze-3, magnitude: {AT_CHANCE}." in flat
+    assert "(from hellaswag/acc_norm and bbq_ambig_cloze3/accuracy_amb), valid figures only" in flat
+
+
+def test_the_page_and_the_comparison_files_carry_the_marks(tmp_path):
+    rows, used = _with_dto(_rows())
+    write_comparison(rows, tmp_path, {"dto": used}, echo=False, baseline="sparsegpt")
+    page = (tmp_path / "report.html").read_text()
+    struck = re.findall(r'<s class="invalid" title="([^"]*)">([^<]*)</s> ✗', page)
+    assert ("accuracy_amb at chance (0.333 ≤ 0.333, 95% CI [0.194, 0.472] includes it): uniform answers do as well",
+            "0.333") in struck
+    assert "chance 0.333" in page and "from hellaswag/acc_norm and bbq_ambig_cloze3/accuracy_amb" in page
+    table = pd.read_csv(tmp_path / "comparison.csv")
+    assert table.loc[3, "bbq_ambig_cloze3/accuracy_amb_invalid"] == AT_CHANCE
+    assert table.loc[0, "mmlu/acc_chance"] == 0.25 and pd.isna(table.loc[3, "dto"])
+    columns = list(table.columns)
+    assert columns.index("mmlu/acc_chance") == columns.index("mmlu/acc") + 1  # each figure beside its chance level
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["dto"]["left_out"] == ["magnitude 0.5"]
+
+
+def test_the_model_card_strikes_out_invalid_figures_and_keeps_them_out_of_the_model_index():
+    validity = _validity(mmlu=LETTER_A)
+    metrics = {"perplexity": 40.0, "mmlu/acc": 0.26, "bbq_ambig_cloze3/accuracy_amb": 0.2,
+               "bbq_ambig_cloze3/amb_bias_score": 0.05}
+    reference = _validity(mmlu=LETTER_A)
+    for marks in (validity, reference):
+        marks["bbq_ambig_cloze3/accuracy_amb"]["at_or_below_chance"] = True
+    report = {"method": "sparsegpt", "model": "smollm2-135m", "achieved_sparsity": 0.5, "metrics": metrics,
+              "tasks": {"validity": {k: v for k, v in validity.items() if k in metrics},
+                        "facts": {"mmlu": {"data": "mmlu.jsonl", "scoring": "letter"},
+                                  "bbq_ambig_cloze3": {"data": "bbq.jsonl", "scoring": "cloze"}}},
+              "reference": {"method": "dense", "metrics": {"perplexity": 35.0, "mmlu/acc": 0.27, "bbq_ambig_cloze3/accuracy_amb": 0.25},
+                            "tasks_validity": {k: v for k, v in reference.items() if k in metrics}}}
+    card = model_card(report)
+    front = card.split("---")[1]
+    assert "name: bbq_ambig_cloze3" in front and "name: mmlu" not in front  # the Hub ranks model-index figures
+    assert "| mmlu/acc (chance 0.250) | ~~0.2700~~ ✗ | ~~0.2600~~ ✗ | – |" in card
+    assert "| bbq ambig cloze3/accuracy amb (chance 0.333) | 0.2500 ≤ | 0.2000 ≤ | -0.0500 |" in card
+    assert f"- mmlu (reference, this model): {LETTER_A}" in card
