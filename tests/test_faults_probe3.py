@@ -237,3 +237,41 @@ def test_the_command_line_takes_one_task_without_brackets(tiny, tmp_path, monkey
                        "--eval_tokens", "256", "--quiet", "--tasks", "mmlu", "--limit", "4",
                        "--output", str(tmp_path / "ev")]) == 0
     assert json.loads((tmp_path / "ev" / "report.json").read_text())["tasks"]["facts"]["mmlu"]["samples"] == 4
+
+
+def _bbq_file(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("change, needle", [
+    (lambda r: r.pop("context_condition"), "line 7 lacks the field 'context_condition'"),
+    (lambda r: r.update(context_condition="maybe"), "line 7 has context_condition 'maybe', not ambig or disambig"),
+    (lambda r: r.update(label=-1), "line 7 has label -1, not 0, 1 or 2"),
+    (lambda r: r.update(label=3), "line 7 has label 3, not 0, 1 or 2"),
+])
+def test_every_row_of_a_task_file_is_checked_before_the_model_loads(change, needle, tiny, tmp_path, capsys,
+                                                                  monkeypatch):
+    import fairprune.workflows.lm as lm
+    from fairprune.data.yardsticks import bbq_items
+
+    rows = bbq_items(4)[:9]
+    change(rows[6])  # past the first five rows
+    path = _bbq_file(tmp_path / "bbq.jsonl", rows)
+    monkeypatch.setattr(lm, "open_blocks", lambda *a, **k: pytest.fail("the model was opened before the check"))
+    code = prune_main(["evaluate", "--model", str(tiny / "dense"), "--tasks", "[bbq_ambig]", "--task_data",
+                       f"[bbq={path}]", "--output", str(tmp_path / "ev")])
+    assert code == 2
+    err = last_error(capsys)
+    assert needle in err and str(path) in err and not (tmp_path / "ev").exists()
+
+
+def test_an_oversized_task_row_is_refused_without_reading_it_whole(tmp_path):
+    from fairprune.data.yardsticks import MAX_ROW_BYTES, bbq_items, check_format
+    from fairprune.errors import UserError
+
+    rows = bbq_items(4)
+    rows[1]["context"] = "x" * (2 * MAX_ROW_BYTES)
+    path = _bbq_file(tmp_path / "big.jsonl", rows)
+    with pytest.raises(UserError, match="line 2 is longer than 1 MiB"):
+        check_format("bbq", path)

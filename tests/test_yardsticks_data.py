@@ -255,7 +255,7 @@ def test_check_format_refuses_a_missing_file(tmp_path):
 
 def test_check_format_refuses_a_file_that_is_not_utf8(tmp_path, files):
     bad = tmp_path / "latin1.jsonl"
-    bad.write_bytes(files["hellaswag"].read_bytes()[:200] + "\n{\"ctx_a\": \"caf\xe9\"}\n".encode("latin-1"))
+    bad.write_bytes(files["hellaswag"].read_bytes().split(b"\n")[0] + "\n{\"ctx_a\": \"caf\xe9\"}\n".encode("latin-1"))
     _refused("hellaswag", bad, "UTF-8", "github.com/rowanz/hellaswag")
     bad_csv = tmp_path / "latin1.csv"
     bad_csv.write_bytes("\xe9".encode("latin-1") + files["crows_pairs"].read_bytes())
@@ -268,7 +268,7 @@ def test_check_format_refuses_a_json_line_without_a_field(tmp_path):
         rows[1].pop(field)
         path = tmp_path / f"{name}.jsonl"
         path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-        _refused(name, path, f"row 2 lacks the field '{field}'")
+        _refused(name, path, f"line 2 lacks the field '{field}'")
     wrong_type = mmlu_items(2)
     wrong_type[0]["answer"] = "B"
     path = tmp_path / "letters.jsonl"
