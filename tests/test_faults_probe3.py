@@ -275,3 +275,16 @@ def test_an_oversized_task_row_is_refused_without_reading_it_whole(tmp_path):
     path = _bbq_file(tmp_path / "big.jsonl", rows)
     with pytest.raises(UserError, match="line 2 is longer than 1 MiB"):
         check_format("bbq", path)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--tasks", "[mmlu, hellaswagg]"], "'hellaswagg' is neither a task fairprune defines"),
+    (["--tasks", "[mmlu]", "--num_fewshot", "500"], "--num_fewshot 500: task mmlu can draw at most 59 examples"),
+])
+def test_a_task_lm_eval_cannot_run_is_one_line_before_the_model_loads(args, needle, tiny, tmp_path, capsys,
+                                                                    monkeypatch):
+    import fairprune.workflows.lm as lm
+
+    monkeypatch.setattr(lm, "open_blocks", lambda *a, **k: pytest.fail("the model was opened before the check"))
+    assert prune_main(["evaluate", "--model", str(tiny / "dense"), *args, "--output", str(tmp_path / "ev")]) == 2
+    assert needle in last_error(capsys) and not (tmp_path / "ev").exists()

@@ -295,6 +295,39 @@ def _manager(stock: bool):
     return _STOCK_MANAGER
 
 
+def check_runnable(specs: Sequence[TaskSpec], num_fewshot: int | None = None) -> None:
+    """Before the model loads, what lm-eval would otherwise find only once the model has been loaded
+    and measured: a task name it does not know (one line naming the closest ones), and a
+    ``num_fewshot`` larger than the examples a task can draw its shots from (the task's own
+    documents less the one being asked, or its few-shot split). Builds the tasks as :func:`run_tasks`
+    does (the stock index is built once per process, so the later run does not build it again)."""
+    import difflib
+
+    stock = [s.name for s in specs if not s.data]
+    if stock:
+        with _quiet(False):
+            known = set(_manager(True).all_tasks)
+        for name in stock:
+            if name not in known:
+                close = difflib.get_close_matches(name, [*LOCAL_TASKS, *known], n=3)
+                raise UserError(f"--tasks: {name!r} is neither a task fairprune defines ({', '.join(LOCAL_TASKS)}) nor "
+                                f"an lm-eval task, group or tag" + (f"; did you mean {', '.join(close)}?" if close else ""))
+    if not num_fewshot:
+        return
+    local = [s for s in specs if s.data]
+    if not local:
+        return
+    with _quiet(False):
+        tasks = _manager(False).load([task_config(s.name, s.data) for s in local])["tasks"]
+    for name, task in tasks.items():
+        config = task.config
+        docs = list(task.fewshot_docs() or [])
+        available = len(docs) - (config.fewshot_split in (None, config.test_split))
+        if num_fewshot > available:
+            raise UserError(f"--num_fewshot {num_fewshot}: task {name} can draw at most {available} examples from its "
+                            f"data; give --num_fewshot {available} or less, or more data")
+
+
 @dataclass
 class TaskResults:
     """A model's task figures (``{task: {metric: value}}``), their samples, and what was run."""

@@ -24,6 +24,7 @@ from fairprune.metrics.harness import (
     TaskItems,
     TaskResults,
     TaskSpec,
+    check_runnable,
     check_tasks,
     headline,
     letter_warnings,
@@ -45,7 +46,9 @@ def task_specs(lm) -> list[TaskSpec] | None:
     data = check_tasks(lm.tasks, lm.task_data)
     if not lm.tasks:
         return None
-    return resolve_tasks(list(lm.tasks), data)
+    specs = resolve_tasks(list(lm.tasks), data)
+    check_runnable(specs, lm.num_fewshot)
+    return specs
 
 
 def _cache_path(key: dict[str, Any]) -> Path:
