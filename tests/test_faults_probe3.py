@@ -267,7 +267,8 @@ def test_every_row_of_a_task_file_is_checked_before_the_model_loads(change, need
 
 
 def test_an_oversized_task_row_is_refused_without_reading_it_whole(tmp_path):
-    from fairprune.data.yardsticks import MAX_ROW_BYTES, bbq_items, check_format
+    from fairprune.data.task_files import MAX_ROW_BYTES, check_format
+    from fairprune.data.yardsticks import bbq_items
     from fairprune.errors import UserError
 
     rows = bbq_items(4)

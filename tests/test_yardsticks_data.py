@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from fairprune.data.pairs import read_crows_pairs
+from fairprune.data.task_files import check_format
 from fairprune.data.yardsticks import (
     FILES,
     bbq_items,
-    check_format,
     crows_pairs_rows,
     hellaswag_items,
     mmlu_items,

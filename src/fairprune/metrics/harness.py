@@ -109,7 +109,7 @@ def parse_task_data(entries: Iterable[str] | None) -> dict[str, str]:
     """``["bbq=/data/bbq.jsonl", ...]`` → ``{"bbq": "/data/bbq.jsonl"}``, keyed by task or data
     format name (``bbq`` serves every BBQ task); each file checked against its format (one line
     naming the file, the format and where the public set is published)."""
-    from fairprune.data.yardsticks import check_format
+    from fairprune.data.task_files import check_format
 
     formats = {fmt for fmt, _ in LOCAL_TASKS.values()}
     found: dict[str, str] = {}
