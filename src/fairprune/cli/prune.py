@@ -52,11 +52,13 @@ def commands() -> dict[str, Command]:
                                    {"method": method})
     table["fasp"] = Command("FASP: remove the attention heads that most raise toxicity disparity, protecting the "
                                "heads perplexity needs (or a baseline: " + ", ".join(registry.names("heads")[1:]) + ").",
-                               "fairprune.workflows.heads:fasp", hide=("save_format", "stream"))
+                               "fairprune.workflows.heads:fasp", hide=("save_format", "stream", "quantize",
+                                                                         "quant_group_size"))
     table["diff-compare"] = Command("Full fine-tuning vs fine-tuning + magnitude-pruned difference vs Diff-Pruning, "
                                        "one table, from a train.py text config.", "fairprune.cli.prune:diff_compare")
     table["evaluate"] = Command("Perplexity, stereotype score and sparsity of a causal LM.",
-                                   "fairprune.workflows.lm:evaluate_lm", hide=("save_format",))
+                                   "fairprune.workflows.lm:evaluate_lm",
+                                   hide=("save_format", "quantize", "quant_group_size"))
     table["export"] = Command("Export a vision checkpoint to ONNX (dynamic batch), checked against PyTorch in "
                                  "ONNX Runtime.", "fairprune.workflows.export:export_vision")
     table["compare"] = Command("Compare methods x sparsities on a vision checkpoint (--ckpt) or a causal LM "
@@ -117,6 +119,9 @@ def compare(methods: list[str], output: str = "runs/compare", ckpt: str | None =
         if lm.save_format != "dense":
             raise UserError("--save_format compressed applies to weight pruning (--sparsities); head pruning (--alphas) "
                             "removes heads and writes dense folders")
+        if lm.quantize != "none":
+            raise UserError(f"--quantize {lm.quantize} applies to weight pruning (--sparsities); head pruning (--alphas) "
+                            "writes dense folders")
         from fairprune.workflows.heads import compare_heads
 
         return compare_heads(lm, methods, alphas, output, heads, machine or MachineOptions())

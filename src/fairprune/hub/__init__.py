@@ -134,11 +134,13 @@ def load_model(name_or_path: str, task: str = "causal-lm", trust_remote_code: bo
     (``num_labels`` in ``kwargs``; a new head when the sizes differ). ``dtype``: ``float32``,
     ``bfloat16`` or ``float16`` (None: the dtype the checkpoint states). A folder written with
     ``--save_format compressed`` (compressed-tensors' sparse layouts) loads with its weights rebuilt
-    bit for bit (:mod:`fairprune.hub.compressed`). A model whose parameters (estimated from its
+    bit for bit (:mod:`fairprune.hub.compressed`); one written with ``--quantize`` (pack-quantized)
+    with its layers decompressed by transformers on load (:mod:`fairprune.hub.quantized`). A model whose parameters (estimated from its
     config) cannot fit in the memory and swap free now is refused before anything is allocated."""
     import transformers
 
     from fairprune.hub.compressed import is_compressed, load_compressed, torch_dtype
+    from fairprune.hub.quantized import is_quantized, load_quantized
     from fairprune.hub.shards import check_weights, refuse_nonfloat
 
     auto = getattr(transformers, _AUTO[_check_task(task)])
@@ -152,6 +154,8 @@ def load_model(name_or_path: str, task: str = "causal-lm", trust_remote_code: bo
     try:
         if is_compressed(source):
             return load_compressed(source, auto, trust_remote_code=trust_remote_code, **kwargs)
+        if is_quantized(source):  # --quantize's folders: decompressed by transformers on load
+            return load_quantized(source, kwargs.get("dtype"), trust_remote_code)
         model = auto.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
     except pickle.UnpicklingError as err:  # a pytorch_model.bin is read as data: one that holds code is refused
         instead = f"give a folder written by save_pretrained (safetensors weights), a hub name, 'minilm' or '{SMOLLM2}'"

@@ -18,7 +18,7 @@ from fairprune.hub.shards import check_weights, float16_overflow
 
 
 def _tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    found = [(n, p.detach()) for n, p in module.named_parameters()]
+    found = [(n, p.detach()) for n, p in module.named_parameters() if p.is_floating_point()]  # integers: no NaN
     for prefix, sub in module.named_modules():  # normalisation statistics (not metric states: NaN is a value there)
         if isinstance(sub, nn.modules.batchnorm._NormBase):
             found += [(f"{prefix}.{n}", b) for n, b in sub.named_buffers(recurse=False) if b.is_floating_point()]

@@ -356,7 +356,10 @@ def weights_summary(facts: dict[str, Any]) -> str:
     """One line of a ``weights`` block: ``weights 176.4 MB on disk (sparse-24-bitmask, bfloat16), 0.656 of dense (269.1 MB)``."""
     ratio = "" if facts.get("ratio") is None else f", {facts['ratio']:.3f} of dense ({megabytes(facts['dense_bytes'])})"
     note = f"; {facts['note']}" if facts.get("note") else ""
-    return f"weights {megabytes(facts['file_bytes'])} on disk ({facts['format']}, {facts['dtype']}){ratio}{note}"
+    quant = facts.get("quantization") or {}
+    fmt = (f"{facts['format']} {quant['scheme']}: {quant['bits']}-bit, groups of {quant['group_size']}"
+           if quant else facts["format"])
+    return f"weights {megabytes(facts['file_bytes'])} on disk ({fmt}, {facts['dtype']}){ratio}{note}"
 
 
 def check_can_compress(save_format: str) -> None:

@@ -1,5 +1,6 @@
-"""The names of ``--dtype`` and ``--save_format`` values, importable without torch (the options
+"""The names of ``--dtype``, ``--save_format`` and ``--quantize`` values, importable without torch (the options
 that check them are read by ``prune.py --help``); :mod:`fairprune.hub.compressed` maps them."""
 
 DTYPES = ("float32", "bfloat16", "float16")
 SAVE_FORMATS = ("dense", "compressed")
+QUANTIZE = ("none", "w4a16", "w8a16")

@@ -125,16 +125,27 @@ class Resident(BlockModel):
         return None
 
     def save(self, out, output, tokenizer, writer, method: str, save_format: str = "dense",
-             nm: tuple[int, int] | None = None, **_: Any) -> tuple[Resident, dict | None]:
+             nm: tuple[int, int] | None = None, quantize: str = "none", quant_group_size: int = 128,
+             trust_remote_code: bool = False, **_: Any) -> tuple[Resident, dict | None]:
         """The pruned model into ``out`` (None on ranks that do not write; ``output``: the run's
-        folder, for messages), refused when not finite on every rank: this model (pruned in
-        place) and the ``weights`` facts of the files written."""
+        folder, for messages), refused when not finite on every rank: the model the run measures
+        and the ``weights`` facts of the files written. That model is this one (pruned in place),
+        or with ``quantize`` (w4a16, w8a16: :mod:`fairprune.hub.quantized`) the one plain
+        ``from_pretrained`` loads back from ``out``, in this model's dtype, so the figures are
+        those of the folder as it ships."""
         from fairprune.hub.compressed import save_weights
         from fairprune.reporting.runs import check_result
 
         check_result(self.model, output, method)
         if out is None:
             return self, None
+        if quantize != "none":
+            from fairprune.hub.quantized import load_quantized, save_quantized
+
+            weights = save_quantized(self.model, out, quantize, quant_group_size)
+            tokenizer.save_pretrained(out)
+            loaded = load_quantized(out, self.dtype, trust_remote_code)
+            return Resident(loaded, source=self.source), weights
         weights = save_weights(self.model, out, save_format, nm)
         tokenizer.save_pretrained(out)
         return self, weights

@@ -23,6 +23,7 @@ from typing import Any
 
 from huggingface_hub import EvalResult, ModelCard, ModelCardData
 
+from fairprune.reporting.card_weights import weights_sections
 from fairprune.reporting.environment import card_section
 from fairprune.reporting.report import markdown_text
 from fairprune.storage.atomic import write_text
@@ -66,6 +67,9 @@ def model_card(report: Mapping[str, Any], config: Mapping[str, Any] | None = Non
     tags = ["fairprune", "fairness"] + ([] if method in _NOT_PRUNED else [method, "pruned"])
     if kind == "heads":
         tags.append("attention-head-pruning")
+    quantization = _mapping(report.get("quantization"))
+    if quantization:
+        tags += ["compressed-tensors", f"{_text(str(quantization.get('bits', '')))}-bit"]
     if kind == "classifier":
         task = "text-classification" if "text" in (model_class or "").lower() else "image-classification"
         results = _classifier_results(report, task)
@@ -86,7 +90,7 @@ def model_card(report: Mapping[str, Any], config: Mapping[str, Any] | None = Non
     body += _settings(report, config, kind)
     body += card_section(report.get("environment"))
     body += _loading(method, kind, checkpoint, model_class, folder, report.get("granularity") == "channel")
-    body += _compressed_weights(report)
+    body += weights_sections(report)
     body += ["Written by fairprune from the run's `report.json`, which holds every figure above at full precision."]
     card = ModelCard(f"---\n{data.to_yaml()}\n---\n\n" + "\n".join(body) + "\n")
     return str(card)
@@ -394,26 +398,6 @@ def _loading(method: str | None, kind: str, checkpoint: str | os.PathLike | None
     while fence in "\n".join(code):
         fence += "`"
     return ["## How to load", "", intro, "", f"{fence}python", *code, fence, ""]
-
-
-def _compressed_weights(report: Mapping[str, Any]) -> list[str]:
-    """How a folder written with ``--save_format compressed`` loads, and what its weights take."""
-    weights = _mapping(report.get("weights"))
-    if weights.get("save_format") != "compressed":
-        return []
-    size = _number(weights.get("file_bytes"))
-    ratio = _number(weights.get("ratio"))
-    share = f", {ratio:.3f} of the dense {_text(weights.get('dtype') or '')} tensors" if ratio is not None else ""
-    lines = [f"**Compressed weights.** The prunable layers are stored in compressed-tensors' "
-             f"**{_text(weights.get('format') or '')}** layout (nonzeros and a bitmask; config.json's "
-             f"`quantization_config.sparsity_config`)" + (f": {size / 1e6:.3g} MB of weights{share}." if size is not None else "."),
-             "Plain transformers (5.x with compressed-tensors 0.20) no longer decompresses sparse checkpoints and "
-             "would leave these layers newly initialised, so `config.json`'s `transformers_weights` entry makes "
-             "`AutoModelForCausalLM.from_pretrained` refuse the folder with an error. Load it with fairprune "
-             "(or prune again with `--save_format dense` for a folder plain transformers loads):", "",
-             "```python", "from fairprune.hub import load_model", "",
-             "model = load_model(\"path/to/this/folder\")  # the dense weights, bit for bit", "```", ""]
-    return lines
 
 
 # -- values and tables ------------------------------------------------------------------------------

@@ -209,6 +209,10 @@ def pruned_line(method: str, report: dict[str, Any], output: Any) -> str:
     pruned model's intervals, the sparsity and where the run was written."""
     before, after = report["reference"]["metrics"], report["metrics"]
     cached = " (dense figures from the cache)" if report["reference"]["from_cache"] else ""
+    quant = report.get("quantization")
+    if quant:
+        method = f"{method} + {quant['scheme']}"
+        cached += f"; measured on the {quant['format']} {quant['bits']}-bit folder as loaded back"
     return (f"[{method}] perplexity {before['perplexity']:.2f} → {after['perplexity']:.2f}{ci_text(report, 'perplexity', '.2f')}, "
             f"stereotype score {before['stereotype_score']:.3f} → {after['stereotype_score']:.3f}"
             f"{ci_text(report, 'stereotype_score', '.3f')}, sparsity {report['achieved_sparsity']:.4f} "

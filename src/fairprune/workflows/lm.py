@@ -70,6 +70,14 @@ def _open(lm: LMOptions, machine: MachineOptions, calibration: bool = True) -> t
     return texts, tokenizer, open_blocks(lm, stream), stream
 
 
+def _check_quantize(blocks, lm: LMOptions) -> None:
+    """``--quantize`` against the model's block layers (Linear, a group size for each), before any work."""
+    if lm.quantize != "none":
+        from fairprune.hub.quantized import check_groups
+
+        check_groups(blocks.model, lm.quant_group_size)
+
+
 def _config(lm: LMOptions, machine: MachineOptions, **fields: Any) -> dict[str, Any]:
     return {**fields, **asdict(lm), **asdict(machine)}
 
@@ -98,6 +106,7 @@ def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm:
     specs = task_specs(lm)  # --tasks / --task_data mistakes too
     texts, tokenizer, blocks, _ = _open(lm, machine)
     check_pattern_fits(blocks.model, sparsity)  # N:M against the layer widths, before the dense model is measured
+    _check_quantize(blocks, lm)
     check_free_space(output, blocks.saved_bytes(tokenizer))  # a full disk is found now, not after the work
     load_seconds = time.perf_counter() - start
     ids, dense = dense_of(blocks, tokenizer, texts, lm, machine, specs)
@@ -176,6 +185,7 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     texts, tokenizer, blocks, stream = _open(lm, machine)
     for s in sparsities:  # every N:M pattern must fit the layer widths before the first run
         check_pattern_fits(blocks.model, s)
+    _check_quantize(blocks, lm)
     check_free_space(output, blocks.saved_bytes(tokenizer) * len(methods) * len(sparsities))
     load_seconds = time.perf_counter() - start
     ids, dense = dense_of(blocks, tokenizer, texts, lm, machine, specs)

@@ -66,7 +66,8 @@ def prune_run(blocks, tokenizer, method: str, sparsity: Sparsity, output: str | 
             result = prune_causal_lm(blocks, method, sparsity, calib, pairs, device, solver.percdamp, solver.blocksize,
                                      progress=talk, writer=writer)
             pruned, weights = blocks.save(out, output, tokenizer, writer, method, save_format=lm.save_format,
-                                          nm=sparsity.nm, trust_remote_code=lm.trust_remote_code)
+                                          nm=sparsity.nm, trust_remote_code=lm.trust_remote_code,
+                                          quantize=lm.quantize, quant_group_size=lm.quant_group_size)
         finally:
             if writer is not None:
                 writer.abort()
@@ -79,6 +80,7 @@ def prune_run(blocks, tokenizer, method: str, sparsity: Sparsity, output: str | 
         memory = memory_facts(blocks, rss_start)
         if out is None:
             return
+        quantization = weights.pop("quantization", None) if weights else None
         task_seconds = 0.0 if tasks is None else tasks.seconds
         report.update(lm_report(
             result, after, items, dense.metrics, dense.items, from_cache=dense.from_cache, model=lm.model,
@@ -88,6 +90,8 @@ def prune_run(blocks, tokenizer, method: str, sparsity: Sparsity, output: str | 
                      "evaluate": dense_seconds + (end - pruned_at), "total": load_seconds + dense_seconds + end - start},
             threads=torch.get_num_threads(), stream=blocks.streamed, weights=weights, memory=memory))
         report["reference"]["seconds"] = dense.seconds
+        if quantization is not None:  # the figures above are the loaded-back quantized model's
+            report["quantization"] = quantization
         attach(report, tasks, dense.tasks)
         if tasks is not None:
             report["seconds"]["tasks"] = task_seconds
@@ -99,7 +103,7 @@ def prune_run(blocks, tokenizer, method: str, sparsity: Sparsity, output: str | 
         replace_folder(output, write, owned=RUN_FILES)
         memory = report["memory"]
         print(pruned_line(method, report, output), flush=True)
-        print(f"[{method}] {weights_summary(report['weights'])}; {'streamed' if blocks.streamed else 'in memory'} in "
+        print(f"[{method}] {weights_summary({**report['weights'], 'quantization': report.get('quantization')})}; {'streamed' if blocks.streamed else 'in memory'} in "
               f"{dtype_name(blocks.dtype)}, peak resident memory {megabytes(memory['peak_rss_bytes'])} "
               f"({megabytes(memory['peak_rss_at_start_bytes'])} when the run began) for a {megabytes(memory['model_bytes'])} "
               "model", flush=True)

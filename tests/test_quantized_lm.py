@@ -1,0 +1,181 @@
+"""Pruned and quantized LM folders (``--quantize w4a16 | w8a16``), measured after the round trip.
+
+- The quantized layers are compressed-tensors ``pack-quantized`` (symmetric int4 / int8 per group,
+  zero point 0): a pruned zero stays exactly zero, and they take at most 0.30x their bfloat16 bytes.
+- Plain transformers in a fresh process (no fairprune import) loads the folder and gives the logits
+  fairprune's loaded model gives.
+- The real command line: the run's figures are those of the folder as loaded back (``evaluate`` on
+  the folder measures the same), ``report.json`` has ``quantization`` and ``weights``, the model card
+  and the printed lines name the format and bits; every bad option value is one line, nothing written.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers as tf
+
+from fairprune.cli.prune import main as prune_main
+from fairprune.errors import UserError
+from fairprune.hub.quantized import layer_group, load_quantized, save_quantized
+from fairprune.pruning.llm import prune_causal_lm
+from fairprune.pruning.sparsity import Sparsity
+from tiny_models import BUILDERS, TOKENS, tiny_gpt2_folder
+
+FAST = ["--nsamples", "2", "--seqlen", "32", "--device", "cpu", "--quiet", "--dense_cache", "false",
+        "--eval_tokens", "256", "--threads", "1"]
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+def _pruned(model_type: str, sparsity: str = "0.5") -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = BUILDERS[model_type]().eval()
+    prune_causal_lm(model, "magnitude", Sparsity.parse(sparsity), progress=False)
+    return model
+
+
+def test_layer_group_takes_the_largest_power_of_two_that_divides():
+    assert layer_group(1536, 128) == 128
+    assert layer_group(576, 128) == 64  # SmolLM2's hidden width
+    assert layer_group(96, 128) == 32
+    assert layer_group(48, 128) is None  # no power-of-two group of 32 or more divides it
+    assert layer_group(48, 16) == 16
+
+
+@pytest.mark.parametrize("model_type, scheme, bits", [("llama", "w4a16", 4), ("qwen2", "w4a16", 4), ("llama", "w8a16", 8)])
+def test_pruned_zeros_stay_zero_and_the_layers_shrink(model_type, scheme, bits, tmp_path):
+    model = _pruned(model_type)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    facts = save_quantized(model, tmp_path / "q", scheme, 128)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the float model is left as it was
+    quant = facts["quantization"]
+    assert facts["format"] == quant["format"] == "pack-quantized" and quant["bits"] == bits
+    assert quant["quantized_layers"] == 14 and facts["dtype"] == "bfloat16"
+    config = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
+    assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"
+    assert config["ignore"] == ["lm_head"]
+    for group in config["config_groups"].values():
+        assert group["weights"]["symmetric"] and group["weights"]["num_bits"] == bits
+    limit = 0.30 if bits == 4 else 0.55
+    assert quant["layer_ratio"] <= limit and facts["ratio"] < 1
+    loaded = load_quantized(tmp_path / "q", torch.float32)
+    for name, module in model.named_modules():
+        if name.startswith("model.layers.") and isinstance(module, torch.nn.Linear):
+            got = loaded.get_submodule(name).weight
+            zeros = module.weight == 0
+            assert bool((got[zeros] == 0).all()), name  # every pruned zero still zero
+            largest = float(module.weight.detach().abs().max())
+            # within half a step of the grid, plus bfloat16's rounding of the weight, the scale and the result
+            bound = largest / (2 ** bits - 1) + largest * 2 ** -7
+            assert float((got - module.weight).detach().abs().max()) <= bound, name
+    assert quant["zero_fraction"] >= 0.5
+
+
+def test_plain_transformers_in_a_fresh_process_gives_fairprunes_logits(tmp_path):
+    model = _pruned("llama")
+    save_quantized(model, tmp_path / "q", "w4a16", 128)
+    ids = [[5, 17, 3, 60, 42, 8, 11, 90, 2, 33]]
+    script = (
+        "import sys, torch\n"
+        "from transformers import AutoModelForCausalLM, CompressedTensorsConfig\n"
+        f"folder, ids = {str(tmp_path / 'q')!r}, torch.tensor({ids})\n"
+        "plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()\n"
+        "dequantized = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,\n"
+        "    quantization_config=CompressedTensorsConfig(dequantize=True)).eval()\n"
+        "with torch.no_grad():\n"
+        f"    torch.save([plain(ids).logits, dequantized(ids).logits], {str(tmp_path / 'plain.pt')!r})\n"
+        "assert not any(name.startswith('fairprune') for name in sys.modules), 'fairprune was imported'\n")
+    subprocess.run([sys.executable, "-c", script], check=True, cwd=tmp_path, timeout=300)
+    plain, dequantized = torch.load(tmp_path / "plain.pt")
+    with torch.no_grad():
+        ours = load_quantized(tmp_path / "q", torch.float32)(torch.tensor(ids)).logits
+        reference = model(torch.tensor(ids)).logits
+    assert torch.equal(dequantized, ours)  # the model fairprune measures is the one transformers loads
+    # the default load decompresses each layer as it runs, without the 16-bit rounding: within it
+    assert torch.allclose(plain, ours, atol=1e-2)
+    assert float((ours - reference).abs().max()) < 0.1 * float(reference.abs().max())  # still the pruned model
+
+
+def test_a_conv1d_model_is_refused_in_one_line(tmp_path):
+    with pytest.raises(UserError, match="Conv1D, not a Linear"):
+        save_quantized(_pruned("gpt2"), tmp_path / "q", "w4a16")
+
+
+@pytest.fixture(scope="module")
+def llama_folder(tmp_path_factory):
+    """A tiny Llama with a BPE tokenizer, saved as a model folder, and an evaluation text."""
+    from fairprune.data.text import lm_corpus, train_bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("qlm")
+    corpus = lm_corpus(train_docs=40, validation_docs=6, seed=3)
+    tokenizer = train_bpe_tokenizer(corpus.train, 300, root / "tok")
+    torch.manual_seed(0)
+    fields = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=64, vocab_size=len(tokenizer), **TOKENS)
+    tf.LlamaForCausalLM(tf.LlamaConfig(**fields)).save_pretrained(root / "dense")
+    tokenizer.save_pretrained(root / "dense")
+    (root / "eval.txt").write_text(corpus.validation)
+    return root
+
+
+def test_the_command_measures_the_folder_as_loaded_back(llama_folder, tmp_path, capsys):
+    out = tmp_path / "sgpt_q4"
+    texts = ["--eval_text", str(llama_folder / "eval.txt")]
+    assert prune_main(["sparsegpt", "--model", str(llama_folder / "dense"), "--sparsity", "0.5", "--quantize", "w4a16",
+                       "--output", str(out), *FAST, *texts]) == 0
+    printed = capsys.readouterr().out
+    assert "[sparsegpt + w4a16]" in printed and "pack-quantized w4a16: 4-bit, groups of 128" in printed
+    report = json.loads((out / "report.json").read_text())
+    quant = report["quantization"]
+    assert quant["scheme"] == "w4a16" and quant["bits"] == 4 and quant["group_size"] == 128
+    assert quant["format"] == "pack-quantized" and quant["quantized_layers"] == 14
+    weights = report["weights"]
+    assert weights["format"] == "pack-quantized" and weights["dtype"] == "bfloat16"
+    params = sum(p.numel() for p in tf.AutoModelForCausalLM.from_pretrained(llama_folder / "dense").parameters())
+    assert weights["dense_bytes"] == 2 * params  # the dense model in bfloat16
+    assert weights["file_bytes"] == (out / "model.safetensors").stat().st_size
+    assert "quantization" not in weights and quant["layer_ratio"] <= 0.30
+    card = (out / "README.md").read_text()
+    assert "Quantized weights: w4a16" in card and "pack-quantized" in card and "4-bit" in card
+    # The figures are the folder's: evaluate on the folder (plain from_pretrained) measures the same.
+    assert prune_main(["evaluate", "--model", str(out), "--output", str(tmp_path / "eval"), *FAST, *texts]) == 0
+    evaluated = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert evaluated["metrics"]["perplexity"] == pytest.approx(report["metrics"]["perplexity"], rel=1e-6)
+    assert evaluated["metrics"]["stereotype_score"] == report["metrics"]["stereotype_score"]
+    assert "ci" in report and "paired" in report  # intervals and the pairing against the dense model, as ever
+    from test_docs import _data_names, _documented, _report_keys
+
+    missing = {where for where, key in _report_keys(report, _data_names(report)) if key not in _documented()}
+    assert not missing, f"report.json keys not described in docs/outputs.md: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--quantize", "w3a16"], "--quantize 'w3a16' is not one of none, w4a16, w8a16"),
+    (["--quantize", "w4a16", "--quant_group_size", "100"], "--quant_group_size must be a power of two"),
+    (["--quantize", "w4a16", "--stream", "true"], "works on a model in memory for now"),
+    (["--quantize", "w4a16", "--save_format", "compressed"], "does not combine with --save_format compressed"),
+])
+def test_bad_option_values_are_one_line(llama_folder, tmp_path, capsys, extra, message):
+    out = tmp_path / "x"
+    code = prune_main(["magnitude", "--model", str(llama_folder / "dense"), "--output", str(out), *FAST, *extra])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and message in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
+def test_a_gpt2_model_is_refused_before_any_work(tmp_path, capsys):
+    tiny_gpt2_folder(tmp_path)
+    out = tmp_path / "x"
+    code = prune_main(["magnitude", "--model", str(tmp_path / "dense"), "--quantize", "w4a16", "--output", str(out),
+                       *FAST, "--eval_text", str(tmp_path / "eval.txt")])
+    err = capsys.readouterr()
+    assert code == 2 and "Conv1D, not a Linear" in err.err and len(err.err.strip().splitlines()) == 1
+    assert "measuring" not in err.out and not out.exists()
