@@ -14,15 +14,10 @@ import pytest
 from cli_output import last_error
 from fairprune.cli.prune import main as prune_main
 from fairprune.hub.converted import MARKER, converted_location
+from test_faults_probe2 import FAST  # the command line's fast LM settings
 from tiny_models import builder, tiny_gpt2_folder, write_gguf
 
-FAST = ["--nsamples", "2", "--seqlen", "32", "--device", "cpu", "--quiet", "--dense_cache", "false",
-        "--eval_tokens", "256", "--threads", "1"]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
