@@ -2,6 +2,12 @@
 
 - An output equal to, inside or holding what a ``--model`` value resolves to on disk (a GGUF
   model's converted folder, a hub name's cached snapshot) is refused, not only the literal value.
+- Task files: every row checked (fields, ranges such as BBQ's label), rows and files bounded in
+  size, an unknown task name and too many few-shot examples, all before the model loads; one task
+  without brackets; ``--limit`` whole above 1 and only with ``--tasks``.
+- A vision compare reuses finished cells whatever ``--quiet`` or its folder; a zip-bomb
+  ``test_items.npz``; activations that overflow; an unwritable ``train.py`` run folder; a negative
+  ``max_epochs`` in the pruning commands; a small HolisticBias set; a plugin named ``--help``.
 """
 
 from __future__ import annotations
