@@ -171,6 +171,15 @@ def test_bad_option_values_are_one_line(llama_folder, tmp_path, capsys, extra, m
     assert not out.exists()
 
 
+def test_compare_refuses_quantize_in_one_line(llama_folder, tmp_path, capsys):
+    out = tmp_path / "c"
+    code = prune_main(["compare", "--model", str(llama_folder / "dense"), "--methods", "[magnitude]", "--sparsities",
+                       '["0.5"]', "--quantize", "w4a16", "--output", str(out), *FAST])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "compare does not add quantized rows yet" in err and len(err.splitlines()) == 1
+    assert not out.exists()
+
+
 def test_a_gpt2_model_is_refused_before_any_work(tmp_path, capsys):
     tiny_gpt2_folder(tmp_path)
     out = tmp_path / "x"

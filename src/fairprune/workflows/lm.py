@@ -176,6 +176,9 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     machine.apply()
     for method in methods:
         registry.get(method, "lm")
+    if lm.quantize != "none":
+        raise UserError(f"--quantize {lm.quantize} is taken by the single prune commands (prune.py sparsegpt ... "
+                        "--quantize); compare does not add quantized rows yet")
     baseline = baseline or methods[0]
     if baseline not in (*methods, "dense"):
         raise UserError(f"--baseline {baseline!r} is neither dense nor one of the compared methods ({', '.join(methods)}); "
