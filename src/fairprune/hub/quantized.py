@@ -28,8 +28,10 @@ quantize.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -93,10 +95,38 @@ def save_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float16 if dtype == torch.float16 else torch.bfloat16
 
 
+@contextlib.contextmanager
+def _quiet_bars(progress: bool) -> Iterator[None]:
+    """compressed-tensors' own progress bars (applying the config, compressing) off unless ``progress``."""
+    if progress:
+        yield
+        return
+    import functools
+
+    from compressed_tensors.compressors.model_compressors import model_compressor
+    from compressed_tensors.quantization.lifecycle import apply
+
+    modules = [m for m in (apply, model_compressor) if hasattr(m, "tqdm")]
+    bars = [m.tqdm for m in modules]
+    try:
+        for module, bar in zip(modules, bars):
+            module.tqdm = functools.partial(bar, disable=True)
+        yield
+    finally:
+        for module, bar in zip(modules, bars):
+            module.tqdm = bar
+
+
 @torch.no_grad()
-def save_quantized(model: nn.Module, folder: str | os.PathLike, quantize: str, group_size: int = 128) -> dict[str, Any]:
+def save_quantized(model: nn.Module, folder: str | os.PathLike, quantize: str, group_size: int = 128,
+                   progress: bool = True) -> dict[str, Any]:
     """Write a quantized copy of ``model`` into ``folder`` (``model`` itself is left as it is) and
     return the ``weights`` facts of the folder with its ``quantization`` facts inside."""
+    with _quiet_bars(progress):
+        return _save_quantized(model, folder, quantize, group_size)
+
+
+def _save_quantized(model: nn.Module, folder: str | os.PathLike, quantize: str, group_size: int) -> dict[str, Any]:
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationArgs,

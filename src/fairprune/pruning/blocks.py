@@ -126,7 +126,7 @@ class Resident(BlockModel):
 
     def save(self, out, output, tokenizer, writer, method: str, save_format: str = "dense",
              nm: tuple[int, int] | None = None, quantize: str = "none", quant_group_size: int = 128,
-             trust_remote_code: bool = False, **_: Any) -> tuple[Resident, dict | None]:
+             trust_remote_code: bool = False, progress: bool = True, **_: Any) -> tuple[Resident, dict | None]:
         """The pruned model into ``out`` (None on ranks that do not write; ``output``: the run's
         folder, for messages), refused when not finite on every rank: the model the run measures
         and the ``weights`` facts of the files written. That model is this one (pruned in place),
@@ -142,7 +142,7 @@ class Resident(BlockModel):
         if quantize != "none":
             from fairprune.hub.quantized import load_quantized, save_quantized
 
-            weights = save_quantized(self.model, out, quantize, quant_group_size)
+            weights = save_quantized(self.model, out, quantize, quant_group_size, progress=progress)
             tokenizer.save_pretrained(out)
             loaded = load_quantized(out, self.dtype, trust_remote_code)
             return Resident(loaded, source=self.source), weights

@@ -67,7 +67,8 @@ def prune_run(blocks, tokenizer, method: str, sparsity: Sparsity, output: str | 
                                      progress=talk, writer=writer)
             pruned, weights = blocks.save(out, output, tokenizer, writer, method, save_format=lm.save_format,
                                           nm=sparsity.nm, trust_remote_code=lm.trust_remote_code,
-                                          quantize=lm.quantize, quant_group_size=lm.quant_group_size)
+                                          quantize=lm.quantize, quant_group_size=lm.quant_group_size,
+                                          progress=machine.progress)
         finally:
             if writer is not None:
                 writer.abort()
