@@ -173,13 +173,23 @@ def test_bad_option_values_are_one_line(llama_folder, tmp_path, capsys, extra, m
     assert not out.exists()
 
 
-def test_compare_refuses_quantize_in_one_line(llama_folder, tmp_path, capsys):
+def test_compare_adds_a_pruned_and_quantized_row_paired_with_the_pruned_one(llama_folder, tmp_path):
+    import pandas as pd
+
     out = tmp_path / "c"
-    code = prune_main(["compare", "--model", str(llama_folder / "dense"), "--methods", "[magnitude]", "--sparsities",
-                       '["0.5"]', "--quantize", "w4a16", "--output", str(out), *FAST])
-    err = capsys.readouterr().err.strip()
-    assert code == 2 and "compare does not add quantized rows yet" in err and len(err.splitlines()) == 1
-    assert not out.exists()
+    assert prune_main(["compare", "--model", str(llama_folder / "dense"), "--methods", "[magnitude]", "--sparsities",
+                       '["0.5"]', "--quantize", "w4a16", "--output", str(out), *FAST,
+                       "--eval_text", str(llama_folder / "eval.txt")]) == 0
+    table = pd.read_csv(out / "comparison.csv")
+    assert list(table["method"]) == ["dense", "magnitude", "magnitude + w4a16"]
+    pruned = json.loads((out / "magnitude_0.5" / "report.json").read_text())
+    quantized = json.loads((out / "magnitude_0.5_w4a16" / "report.json").read_text())
+    assert "quantization" not in pruned and quantized["quantization"]["bits"] == 4
+    assert pruned["achieved_sparsity"] == quantized["achieved_sparsity"]  # the same pruning, then quantized
+    row = table[table["method"] == "magnitude + w4a16"].iloc[0]
+    assert row["perplexity"] == pytest.approx(quantized["metrics"]["perplexity"])
+    assert pd.notna(row["perplexity_ratio_diff"])  # paired with the baseline, the pruned float row
+    assert row["weights_mb"] < table[table["method"] == "magnitude"].iloc[0]["weights_mb"] * 0.5
 
 
 def test_a_gpt2_model_is_refused_before_any_work(tmp_path, capsys):

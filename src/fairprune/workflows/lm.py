@@ -25,7 +25,7 @@ prints, the others wait for it.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -153,11 +153,26 @@ def _cell(method: str, sparsity: Sparsity) -> str:
     return f"{method}_{sparsity.label}"
 
 
-def _compare_folders(output: str, methods: list[str], sparsities: list[str | float | Sparsity], **_: Any) -> list[Path]:
+def _runs(methods: list[str], sparsities: list[Sparsity], quantize: str = "none") -> list[tuple[str, str, Sparsity, str, str]]:
+    """The runs of an LM compare, in order: ``(row label, method, sparsity, folder, quantize)``;
+    with ``--quantize`` each method and sparsity twice, pruned (``sparsegpt``, ``sparsegpt_0.5``)
+    then pruned and quantized (``sparsegpt + w4a16``, ``sparsegpt_0.5_w4a16``)."""
+    found = []
+    for method in methods:
+        for s in sparsities:
+            found.append((method, method, s, _cell(method, s), "none"))
+            if quantize != "none":
+                found.append((f"{method} + {quantize}", method, s, f"{_cell(method, s)}_{quantize}", quantize))
+    return found
+
+
+def _compare_folders(output: str, methods: list[str], sparsities: list[str | float | Sparsity], lm: LMOptions | None = None,
+                     **_: Any) -> list[Path]:
     """Every folder :func:`compare_lm` writes, its output first, named as its loop names them: all
     are locked before the model loads, so a run into one of them is refused while compare runs."""
     parsed = [Sparsity.parse(s) for s in sparsities]
-    return [Path(output)] + [Path(output) / _cell(method, s) for method in methods for s in parsed]
+    quantize = lm.quantize if lm is not None else "none"
+    return [Path(output)] + [Path(output) / folder for _, _, _, folder, _ in _runs(methods, parsed, quantize)]
 
 
 @_torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
@@ -170,15 +185,16 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     and its figures are every run's reference. Every row carries 95 % intervals (perplexity over
     windows, stereotype score over pairs) and each method's paired difference against
     ``baseline`` (default: the first method; ``dense`` compares every run with the dense model)
-    at the same sparsity, on the same windows and pairs."""
+    at the same sparsity, on the same windows and pairs. With ``--quantize``, each method and
+    sparsity also gets a pruned and quantized row (``sparsegpt + w4a16``, its folder
+    ``sparsegpt_0.5_w4a16``: the model pruned again the same way, then quantized and measured as
+    loaded back), paired against the same baseline: with the method itself as the baseline, its
+    quantized row's difference is what quantization cost on top of pruning."""
     import pandas as pd
     start = time.perf_counter()
     machine.apply()
     for method in methods:
         registry.get(method, "lm")
-    if lm.quantize != "none":
-        raise UserError(f"--quantize {lm.quantize} is taken by the single prune commands (prune.py sparsegpt ... "
-                        "--quantize); compare does not add quantized rows yet")
     baseline = baseline or methods[0]
     if baseline not in (*methods, "dense"):
         raise UserError(f"--baseline {baseline!r} is neither dense nor one of the compared methods ({', '.join(methods)}); "
@@ -189,38 +205,37 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     for s in sparsities:  # every N:M pattern must fit the layer widths before the first run
         check_pattern_fits(blocks.model, s)
     _check_quantize(blocks, lm)
-    check_free_space(output, blocks.saved_bytes(tokenizer) * len(methods) * len(sparsities))
+    runs = _runs(methods, sparsities, lm.quantize)
+    check_free_space(output, blocks.saved_bytes(tokenizer) * len(runs))
     load_seconds = time.perf_counter() - start
     ids, dense = dense_of(blocks, tokenizer, texts, lm, machine, specs)
     dense_zeros = zero_fraction(blocks)
     rows = [LMRow.dense(dense.all_metrics(), dense_zeros, dense.seconds, blocks.weight_bytes(),
                         validity=None if dense.tasks is None else dense.tasks.validity())]
-    for method in methods:
-        for s in sparsities:
-            name = _cell(method, s)
-            if distributed.is_main() and machine.progress:
-                print(f"[compare] {name} ...", flush=True)
-            tick = time.perf_counter()
-            if blocks is None:  # the first run prunes the model the dense figures came from (in memory: in place)
-                blocks = open_blocks(lm, stream)
-                load_seconds = time.perf_counter() - tick
-            config = _config(lm, machine, method=method, sparsity=str(s), **asdict(solver))
-            report = prune_run(blocks, tokenizer, method, s, Path(output) / name, texts, lm, solver, machine, config,
-                               ids=ids, dense=dense, shared_dense=True, load_seconds=load_seconds, specs=specs,
-                               rss_start=peak_rss_bytes())
-            blocks = None
-            if distributed.is_main():
-                rows.append(LMRow.from_report(report, method, str(s)))
+    for label, method, s, name, quantize in runs:
+        if distributed.is_main() and machine.progress:
+            print(f"[compare] {name} ...", flush=True)
+        tick = time.perf_counter()
+        if blocks is None:  # the first run prunes the model the dense figures came from (in memory: in place)
+            blocks = open_blocks(lm, stream)
+            load_seconds = time.perf_counter() - tick
+        run_lm = replace(lm, quantize=quantize)
+        config = _config(run_lm, machine, method=method, sparsity=str(s), **asdict(solver))
+        report = prune_run(blocks, tokenizer, method, s, Path(output) / name, texts, run_lm, solver, machine, config,
+                           ids=ids, dense=dense, shared_dense=True, load_seconds=load_seconds, specs=specs,
+                           rss_start=peak_rss_bytes())
+        blocks = None
+        if distributed.is_main():
+            rows.append(LMRow.from_report(report, label, str(s)))
     if not distributed.is_main():
         return pd.DataFrame()
     extra = {"evaluation": evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer), "stream": stream}
-    return _write_lm_comparison(rows, output, extra, methods, sparsities, baseline, dense, dense_zeros,
+    return _write_lm_comparison(rows, output, extra, runs, baseline, dense, dense_zeros,
                                 start, "Language-model pruning comparison" + (" (streamed)" if stream else ""))
 
 
-def _write_lm_comparison(rows: list[LMRow], output: str, extra: dict[str, Any], methods: list[str],
-                         sparsities: list[Sparsity], baseline: str, dense: DenseFigures, dense_zeros: float, start: float,
-                         title: str) -> Table:
+def _write_lm_comparison(rows: list[LMRow], output: str, extra: dict[str, Any], runs: list[tuple],
+                         baseline: str, dense: DenseFigures, dense_zeros: float, start: float, title: str) -> Table:
     """An LM compare's table and report: the dense model as the
     reference, every row's intervals and paired differences from the run folders' items, DTO
     when the rows hold its figures."""
@@ -231,21 +246,21 @@ def _write_lm_comparison(rows: list[LMRow], output: str, extra: dict[str, Any], 
     if dense.tasks is not None:
         reference["tasks"] = dense.tasks.figures
         extra["tasks"] = dense.tasks.facts
-    intervals, paired = _lm_statistics(Path(output), methods, sparsities, baseline, dense)
+    intervals, paired = _lm_statistics(Path(output), runs, baseline, dense)
     rows, dto_facts = _with_dto(rows)
     if dto_facts is not None:
         extra["dto"] = dto_facts
     return write_comparison(rows, output, extra, intervals=intervals, paired=paired, baseline=baseline, title=title)
 
 
-def _lm_statistics(output: Path, methods: list[str], sparsities: list[Sparsity], baseline: str,
-                   dense: DenseFigures) -> tuple[list, list]:
+def _lm_statistics(output: Path, runs: list[tuple], baseline: str, dense: DenseFigures) -> tuple[list, list]:
     """Every row's intervals and each run's paired difference against ``baseline`` at its
     sparsity, from the items each run folder holds (``eval_items.npz``, ``task_items.json``) and
-    the dense model's."""
-    cells = [(m, str(s)) for m in methods for s in sparsities]
-    items = {(m, s): LMItems.load(output / _cell(m, Sparsity.parse(s))) for m, s in cells}
-    tasks = {(m, s): TaskItems.load(output / _cell(m, Sparsity.parse(s))) for m, s in cells}
+    the dense model's (``runs``: :func:`_runs`)."""
+    cells = [(label, str(s)) for label, _, s, _, _ in runs]
+    folders = {(label, str(s)): output / folder for label, _, s, folder, _ in runs}
+    items = {cell: LMItems.load(folders[cell]) for cell in cells}
+    tasks = {cell: TaskItems.load(folders[cell]) for cell in cells}
     dense_tasks = None if dense.tasks is None else dense.tasks.items
 
     def intervals_of(found: LMItems | None, task_items: TaskItems | None) -> dict[str, Any]:

@@ -104,7 +104,8 @@ def prune_run(blocks, tokenizer, method: str, sparsity: Sparsity, output: str | 
         replace_folder(output, write, owned=RUN_FILES)
         memory = report["memory"]
         print(pruned_line(method, report, output), flush=True)
-        print(f"[{method}] {weights_summary({**report['weights'], 'quantization': report.get('quantization')})}; {'streamed' if blocks.streamed else 'in memory'} in "
+        label = method if report.get("quantization") is None else f"{method} + {report['quantization']['scheme']}"
+        print(f"[{label}] {weights_summary({**report['weights'], 'quantization': report.get('quantization')})}; {'streamed' if blocks.streamed else 'in memory'} in "
               f"{dtype_name(blocks.dtype)}, peak resident memory {megabytes(memory['peak_rss_bytes'])} "
               f"({megabytes(memory['peak_rss_at_start_bytes'])} when the run began) for a {megabytes(memory['model_bytes'])} "
               "model", flush=True)
