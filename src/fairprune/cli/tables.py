@@ -1,0 +1,213 @@
+"""``python -m fairprune.cli.tables``: write the demos' tables into the pages that show them.
+
+A table on a page is a marked block (:mod:`fairprune.reporting.marked_block`) that this command
+writes from the files a demo wrote, so the pages show what the demo produced, not a hand copy:
+
+- ``demo-table``: ``make demo``'s comparison (``runs/demo/compare/comparison.csv``) in
+  ``README.md``, ``docs/getting-started.md``, ``docs/reading-a-comparison.md`` and ``docs/demo.md``;
+- ``demo-seed1-table``, ``demo-seed2-table``, ``demo-seeds``: the same demo from seeds 1 and 2
+  (``python -m fairprune.cli.demo --seed N``) and a line per seed, in ``docs/demo.md``.
+
+Another table is one :data:`BLOCKS` entry: its folders, a function from them to Markdown, its pages.
+
+``python -m fairprune.cli.tables`` (``make readme-table``) rewrites every block whose demo has run
+(a block named on the command line must have run); ``--check`` changes nothing and exits with status 1 and one line per block that differs on a page
+from what its demo wrote (``.ci/run`` runs it after ``make demo``). Names select blocks
+(``python -m fairprune.cli.tables --check demo-table``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from fairprune.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[3]
+
+
+@dataclass(frozen=True)
+class Block:
+    """A generated table: the folders a demo writes (relative to the checkout), how they become
+    Markdown, the pages that show it and the command that writes the folders."""
+
+    sources: tuple[str, ...]
+    render: Callable[[list[Path]], str]
+    pages: tuple[str, ...]
+    command: str
+
+
+def _figure(value: float, digits: int = 3, sign: bool = False) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "–"
+    return f"{value:+.{digits}f}" if sign else f"{value:.{digits}f}"
+
+
+def _with_interval(row, name: str, sign: bool = False, mark: bool = False) -> str:
+    """``0.912 [0.884, 0.937]`` from a figure and its ``_ci_low`` / ``_ci_high`` columns; ``*``
+    (``mark``) where the interval excludes 0."""
+    value = row.get(name)
+    if value is None or math.isnan(value):
+        return ""
+    low, high = row.get(f"{name}_ci_low"), row.get(f"{name}_ci_high")
+    if low is None or high is None or math.isnan(low) or math.isnan(high):
+        return _figure(value, sign=sign)
+    star = " *" if mark and (low > 0 or high < 0) else ""
+    return f"{_figure(value, sign=sign)} [{_figure(low, sign=sign)}, {_figure(high, sign=sign)}]{star}"
+
+
+def _comparison(folder: Path):
+    import pandas as pd
+
+    path = folder / "comparison.csv"
+    if not path.is_file():
+        raise UserError(f"{path} does not exist: run the demo first (make demo)")
+    return pd.read_csv(path)
+
+
+def _baseline(table) -> str:
+    """The method the paired differences are against: the pruned row without one."""
+    if "accuracy_diff" not in table.columns:
+        return "the baseline"
+    pruned = table[table["accuracy_diff"].isna() & table["target_sparsity"].fillna(0).gt(0)]
+    return str(pruned["method"].iloc[0]) if len(pruned) else "the baseline"
+
+
+def _groups(table) -> list[str]:
+    return [c for c in table.columns if c.startswith("acc/") and not c.endswith(("_ci_low", "_ci_high"))]
+
+
+def vision_table(folders: list[Path]) -> str:
+    """A vision comparison's reading table from its ``comparison.csv``: each row's method, sparsity,
+    accuracy with its 95 % interval, every group's accuracy, the accuracy gap, the degradation std
+    with its interval, and the paired differences of accuracy and degradation std against the
+    baseline (``*``: the interval excludes 0)."""
+    table = _comparison(folders[0])
+    groups, baseline = _groups(table), _baseline(table)
+    head = ["method", "sparsity", "accuracy (95 % CI)", *(g.removeprefix("acc/") for g in groups), "accuracy gap",
+            "degradation std (95 % CI)", f"Δ accuracy vs {baseline}", f"Δ degradation std vs {baseline}"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in table.to_dict(orient="records"):
+        sparsity = row.get("target_sparsity")
+        cells = [str(row["method"]), "0" if sparsity is None or math.isnan(sparsity) else f"{sparsity:g}",
+                 _with_interval(row, "accuracy"), *(_figure(row[g]) for g in groups), _figure(row.get("acc_gap")),
+                 _with_interval(row, "degradation_std") or "–",
+                 _with_interval(row, "accuracy_diff", sign=True, mark=True),
+                 _with_interval(row, "degradation_std_diff", sign=True, mark=True)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _worst(row, groups: list[str]) -> str:
+    """The lowest group accuracy of a row and its group: ``0.861 (Asian)``."""
+    values = {g.removeprefix("acc/"): row[g] for g in groups if not math.isnan(row[g])}
+    name = min(values, key=values.get)
+    return f"{_figure(values[name])} ({name})"
+
+
+def seeds_table(folders: list[Path]) -> str:
+    """One line per demo seed (one comparison folder each, in the order given): the dense model's
+    lowest group and accuracy gap, each pruned method's accuracy with its interval and its lowest
+    group, and the paired differences of accuracy and degradation std against the baseline."""
+    lines = []
+    for i, folder in enumerate(folders):
+        table = _comparison(folder)
+        groups, baseline = _groups(table), _baseline(table)
+        rows = {r["method"]: r for r in table.to_dict(orient="records")}
+        others = [m for m in rows if m not in ("dense", baseline) and not m.startswith("dense ")]
+        if i == 0:
+            head = ["run", "dense: lowest group", "dense: accuracy gap", f"{baseline}: accuracy (95 % CI)",
+                    f"{baseline}: lowest group", f"{baseline}: degradation std"]
+            for m in others:
+                head += [f"{m}: accuracy (95 % CI)", f"{m}: lowest group", f"{m}: degradation std",
+                         f"Δ accuracy {m} − {baseline}", f"Δ degradation std {m} − {baseline}"]
+            lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        dense, base = rows["dense"], rows[baseline]
+        cells = [folder.parent.name, _worst(dense, groups), _figure(dense["acc_gap"]),
+                 _with_interval(base, "accuracy"), _worst(base, groups), _with_interval(base, "degradation_std")]
+        for m in others:
+            row = rows[m]
+            cells += [_with_interval(row, "accuracy"), _worst(row, groups), _with_interval(row, "degradation_std"),
+                      _with_interval(row, "accuracy_diff", sign=True, mark=True),
+                      _with_interval(row, "degradation_std_diff", sign=True, mark=True)]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+#: The demo's runs from three seeds (``python -m fairprune.cli.demo --seed N``).
+SEED_RUNS = ("runs/demo/compare", "runs/demo_seed1/compare", "runs/demo_seed2/compare")
+
+#: Every generated table, by block name.
+BLOCKS: dict[str, Block] = {
+    "demo-table": Block(SEED_RUNS[:1], vision_table,
+                        ("README.md", "docs/getting-started.md", "docs/reading-a-comparison.md", "docs/demo.md"),
+                        "make demo"),
+    "demo-seed1-table": Block(SEED_RUNS[1:2], vision_table, ("docs/demo.md",), "python -m fairprune.cli.demo --seed 1"),
+    "demo-seed2-table": Block(SEED_RUNS[2:3], vision_table, ("docs/demo.md",), "python -m fairprune.cli.demo --seed 2"),
+    "demo-seeds": Block(SEED_RUNS, seeds_table, ("docs/demo.md",),
+                        "make demo and python -m fairprune.cli.demo --seed 1 (and 2)"),
+}
+
+
+def run(names: Sequence[str], check: bool, root: Path | None = None) -> int:
+    """Write (or with ``check`` compare) the blocks ``names`` (every block when empty); the status:
+    1 when ``check`` finds a page that differs (one line on stderr per block), else 0."""
+    from fairprune.reporting.marked_block import marked_block, replace_marked_block
+
+    root = root or ROOT
+    unknown = [n for n in names if n not in BLOCKS]
+    if unknown:
+        raise UserError(f"no table named {', '.join(unknown)}; the tables: {', '.join(BLOCKS)}")
+    differ = []
+    for name in names or list(BLOCKS):
+        block = BLOCKS[name]
+        missing = [s for s in block.sources if not (root / s).is_dir()]
+        if missing:
+            if names:
+                raise UserError(f"{', '.join(missing)} does not exist: run {block.command} first")
+            print(f"[tables] {name}: {', '.join(missing)} does not exist, skipped (run {block.command} first)")
+            continue
+        text = block.render([root / s for s in block.sources])
+        sources = ", ".join(block.sources)
+        if check:
+            pages = [page for page in block.pages if marked_block(root / page, name) != text]
+            if pages:
+                differ.append(f"error: the {name} table in {', '.join(pages)} differs from what {block.command} "
+                              f"wrote ({sources}); run make readme-table and commit the pages")
+            continue
+        for page in block.pages:
+            if replace_marked_block(root / page, name, text):
+                print(f"[tables] {name}: {page} rewritten from {sources}")
+            else:
+                print(f"[tables] {name}: {page} is up to date")
+    for line in differ:
+        print(line, file=sys.stderr)
+    return 1 if differ else 0
+
+
+class _Parser(argparse.ArgumentParser):
+    """A mistake on the command line is one line."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"error: {message}\n")
+
+
+def main(args: list[str] | None = None) -> int:
+    parser = _Parser(prog="python -m fairprune.cli.tables", description=__doc__.split("\n\n")[0])
+    parser.add_argument("names", nargs="*", help=f"the tables to write (default: all of {', '.join(BLOCKS)})")
+    parser.add_argument("--check", action="store_true",
+                        help="change nothing; exit with status 1 where a page differs from what its demo wrote")
+    parsed = parser.parse_args(args)
+    try:
+        return run(parsed.names, parsed.check)
+    except UserError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
