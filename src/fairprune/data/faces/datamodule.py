@@ -30,7 +30,7 @@ from torchvision.transforms import v2
 from fairprune.data.faces.images import drop_unreadable, load_rgb
 from fairprune.data.faces.readers import SPLITS, check_root, read_faces, task_info
 from fairprune.data.shards import eval_sampler
-from fairprune.data.synthetic import MARKER, generate_synthetic_utkface
+from fairprune.data.synthetic import MARKER, VERSION, generate_synthetic_utkface
 from fairprune.errors import UserError
 from fairprune.hub import cache_dir
 
@@ -136,7 +136,7 @@ class FaceDataModule(L.LightningDataModule):
             if root is not None and Path(root).exists() and not Path(root).is_dir():
                 raise UserError(f"--data.root '{root}' is a file, not a folder; pass a folder for the synthetic faces "
                                 "(made when missing) or leave --data.root out to use the project cache")
-            self.root = Path(root) if root is not None else cache_dir() / f"synthetic_utkface_{synthetic_size}_{seed}"
+            self.root = Path(root) if root is not None else cache_dir() / f"synthetic_utkface_v{VERSION}_{synthetic_size}_{seed}"
         else:
             self.root = check_root(dataset, root)  # fail before training, not at setup()
         self.num_classes = len(self.class_names)
