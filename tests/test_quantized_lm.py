@@ -24,7 +24,7 @@ from fairprune.errors import UserError
 from fairprune.hub.quantized import layer_group, load_quantized, save_quantized
 from fairprune.pruning.llm import prune_causal_lm
 from fairprune.pruning.sparsity import Sparsity
-from tiny_models import BUILDERS, TOKENS, tiny_gpt2_folder
+from tiny_models import BUILDERS, TOKENS, builder, tiny_gpt2_folder
 
 FAST = ["--nsamples", "2", "--seqlen", "32", "--device", "cpu", "--quiet", "--dense_cache", "false",
         "--eval_tokens", "256", "--threads", "1"]
@@ -50,14 +50,23 @@ def test_layer_group_takes_the_largest_power_of_two_that_divides():
     assert layer_group(48, 16) == 16
 
 
-@pytest.mark.parametrize("model_type, scheme, bits", [("llama", "w4a16", 4), ("qwen2", "w4a16", 4), ("llama", "w8a16", 8)])
-def test_pruned_zeros_stay_zero_and_the_layers_shrink(model_type, scheme, bits, tmp_path):
-    model = _pruned(model_type)
+@pytest.mark.parametrize("model_type, scheme, bits, group", [
+    ("llama", "w4a16", 4, 64), ("qwen2", "w4a16", 4, 64), ("llama", "w8a16", 8, 64),
+    ("llama96", "w4a16", 4, 32),  # inputs 96 and 256 wide: one group size for all, 32 (SmolLM2's 576 and 1536: 64)
+])
+def test_pruned_zeros_stay_zero_and_the_layers_shrink(model_type, scheme, bits, group, tmp_path):
+    if model_type == "llama96":
+        torch.manual_seed(0)
+        model = builder("llama", hidden_size=96, intermediate_size=256)().eval()
+        prune_causal_lm(model, "magnitude", Sparsity.parse("0.5"), progress=False)
+    else:
+        model = _pruned(model_type)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     facts = save_quantized(model, tmp_path / "q", scheme, 128)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the float model is left as it was
     quant = facts["quantization"]
     assert facts["format"] == quant["format"] == "pack-quantized" and quant["bits"] == bits
+    assert quant["group_sizes"] == {str(group): 14}
     assert quant["quantized_layers"] == 14 and facts["dtype"] == "bfloat16"
     config = json.loads((tmp_path / "q" / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "compressed-tensors" and config["format"] == "pack-quantized"

@@ -18,12 +18,13 @@ too (its layers decompressed as they run); fairprune measures it loaded with tra
 once into float weights, so every tool that reads a layer's ``weight`` sees them. The other tensors are stored in bfloat16 (float16 when the run's ``--dtype``
 is float16): the 16-bit activations the scheme's name says.
 
-Group size: ``group_size`` (128 by default) where it divides a layer's input width; otherwise the
-largest power of two below it that does (SmolLM2's 576-wide inputs: 64), since compressed-tensors
-needs whole groups and the runtimes' 4-bit kernels take power-of-two groups. A layer whose width
-allows no power-of-two group of at least ``min(group_size, 32)`` is refused in one line, as is a
-block layer that is not an ``nn.Linear`` (GPT-2's ``Conv1D``), which compressed-tensors does not
-quantize.
+Group size: ``group_size`` (128 by default) where it divides every quantized layer's input width;
+otherwise the largest power of two below it that divides them all (SmolLM2's 576-wide inputs: 64,
+for its 1,536-wide ``down_proj`` too), since compressed-tensors needs whole groups, the runtimes'
+4-bit kernels take power-of-two groups and transformers' dequantize-on-load takes one group size
+per checkpoint. A layer whose width allows no power-of-two group of at least
+``min(group_size, 32)`` is refused in one line, as is a block layer that is not an ``nn.Linear``
+(GPT-2's ``Conv1D``), which compressed-tensors does not quantize.
 """
 
 from __future__ import annotations
@@ -78,7 +79,11 @@ def quantized_layers(model: nn.Module) -> dict[str, nn.Linear]:
 
 
 def check_groups(model: nn.Module, group_size: int) -> dict[str, int]:
-    """Every quantized layer's group size (:func:`layer_group`), refused in one line when one has none."""
+    """The group size of every quantized layer, refused in one line when a layer has none
+    (:func:`layer_group`): one size for the whole model, the smallest of the layers' own, which
+    divides every width (powers of two). One size because transformers' dequantize-on-load
+    (``CompressedTensorsConfig(dequantize=True)``, 5.x) applies one group size to every layer of
+    a checkpoint."""
     groups = {}
     for name, layer in quantized_layers(model).items():
         group = layer_group(layer.in_features, group_size)
@@ -87,7 +92,8 @@ def check_groups(model: nn.Module, group_size: int) -> dict[str, int]:
                             f"power-of-two group of {min(group_size, SMALLEST_GROUP)} or more divides; give a "
                             "--quant_group_size that divides it")
         groups[name] = group
-    return groups
+    common = min(groups.values(), default=group_size)
+    return {name: common for name in groups}
 
 
 def save_dtype(dtype: torch.dtype) -> torch.dtype:
