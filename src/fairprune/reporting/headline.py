@@ -9,7 +9,7 @@ first table of ``report.html``. Every other column stays in ``comparison.csv`` /
   stereotype score (or the summed toxicity bias), up to three task figures and the perplexity
   ratio against the baseline with its interval (else the paired difference of the stereotype
   score). The task figures are DTO and the abstention and knowledge figures it was computed from
-  (:func:`fairprune.metrics.task_figures.choose`: the first of each list that the rows hold
+  (:func:`fairprune.reporting.dto.choose`: the first of each list that the rows hold
   validly), each accuracy headed by its chance level. A value its run marks invalid
   (``<figure>_invalid``: one letter takes 90 % of a letter task's answers, or the task is at or
   below chance within its interval) is shown struck out with ``✗`` and is left out of DTO; a
@@ -236,8 +236,8 @@ def _dto(table: pd.DataFrame) -> Column | None:
 
 
 def dto_figures(table: pd.DataFrame) -> list[str]:
-    """The knowledge and abstention figures DTO reads in this table (:func:`fairprune.metrics.task_figures.choose`)."""
-    from fairprune.metrics.task_figures import ABSTENTION, KNOWLEDGE, choose
+    """The knowledge and abstention figures DTO reads in this table (:func:`fairprune.reporting.dto.choose`)."""
+    from fairprune.reporting.dto import ABSTENTION, KNOWLEDGE, choose
 
     rows = table.to_dict(orient="records")
     return [f for f in (choose(rows, KNOWLEDGE), choose(rows, ABSTENTION)) if f]
@@ -247,7 +247,7 @@ def _tasks(table: pd.DataFrame) -> list[Column]:
     """Up to :data:`MAX_TASKS` task figures, one of each kind: DTO, then the abstention and
     knowledge figures it reads (the first of each the rows hold validly), then those of
     :data:`TASKS` in order, then any other."""
-    from fairprune.metrics.task_figures import ABSTENTION, KNOWLEDGE, choose
+    from fairprune.reporting.dto import ABSTENTION, KNOWLEDGE, choose
 
     shown: list[Column] = []
     kinds: set[str] = set()
