@@ -107,8 +107,6 @@ def _quiet_bars(progress: bool) -> Iterator[None]:
     if progress:
         yield
         return
-    import functools
-
     from compressed_tensors.compressors.model_compressors import model_compressor
     from compressed_tensors.quantization.lifecycle import apply
 
@@ -116,11 +114,16 @@ def _quiet_bars(progress: bool) -> Iterator[None]:
     bars = [m.tqdm for m in modules]
     try:
         for module, bar in zip(modules, bars):
-            module.tqdm = functools.partial(bar, disable=True)
+            module.tqdm = _silenced(bar)
         yield
     finally:
         for module, bar in zip(modules, bars):
             module.tqdm = bar
+
+
+def _silenced(bar: Any) -> Any:
+    """``bar`` (tqdm) made with ``disable=True`` whatever its caller passes."""
+    return lambda *args, **kwargs: bar(*args, **{**kwargs, "disable": True})
 
 
 @torch.no_grad()
@@ -245,7 +248,8 @@ def dequantizing() -> Any:
     return CompressedTensorsConfig(dequantize=True)
 
 
-def load_quantized(folder: str | os.PathLike, dtype: torch.dtype | None = None, trust_remote_code: bool = False) -> nn.Module:
+def load_quantized(folder: str | os.PathLike, dtype: torch.dtype | None = None, trust_remote_code: bool = False,
+                   progress: bool = True) -> nn.Module:
     """The model of a quantized folder as plain transformers loads it, its layers decompressed on load
     into float weights (``AutoModelForCausalLM.from_pretrained(folder, dtype=dtype,
     quantization_config=CompressedTensorsConfig(dequantize=True))``: the integers times their
@@ -256,7 +260,7 @@ def load_quantized(folder: str | os.PathLike, dtype: torch.dtype | None = None, 
     from transformers import AutoModelForCausalLM
 
     kwargs = {} if dtype is None else {"dtype": dtype}
-    with warnings.catch_warnings():  # "You passed `quantization_config` ...": the option is the point
+    with warnings.catch_warnings(), _quiet_bars(progress):  # "You passed `quantization_config` ...": the option is the point
         warnings.simplefilter("ignore", UserWarning)
         return AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=trust_remote_code,
                                                     quantization_config=dequantizing(), **kwargs).eval()

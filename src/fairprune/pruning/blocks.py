@@ -144,7 +144,7 @@ class Resident(BlockModel):
 
             weights = save_quantized(self.model, out, quantize, quant_group_size, progress=progress)
             tokenizer.save_pretrained(out)
-            loaded = load_quantized(out, self.dtype, trust_remote_code)
+            loaded = load_quantized(out, self.dtype, trust_remote_code, progress=progress)
             return Resident(loaded, source=self.source), weights
         weights = save_weights(self.model, out, save_format, nm)
         tokenizer.save_pretrained(out)
