@@ -144,7 +144,7 @@ def test_the_command_measures_the_folder_as_loaded_back(llama_folder, tmp_path, 
     printed = captured.out
     assert "Compressing model" not in captured.err + printed  # --quiet: compressed-tensors' bars too
     assert "Applying quantization config" not in captured.err + printed
-    assert "[sparsegpt + w4a16]" in printed and "pack-quantized w4a16: 4-bit, groups of 128" in printed
+    assert "[sparsegpt + w4a16]" in printed and "pack-quantized w4a16: 4-bit, groups of 64" in printed
     report = json.loads((out / "report.json").read_text())
     quant = report["quantization"]
     assert quant["scheme"] == "w4a16" and quant["bits"] == 4 and quant["group_size"] == 128

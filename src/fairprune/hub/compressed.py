@@ -357,7 +357,8 @@ def weights_summary(facts: dict[str, Any]) -> str:
     ratio = "" if facts.get("ratio") is None else f", {facts['ratio']:.3f} of dense ({megabytes(facts['dense_bytes'])})"
     note = f"; {facts['note']}" if facts.get("note") else ""
     quant = facts.get("quantization") or {}
-    fmt = (f"{facts['format']} {quant['scheme']}: {quant['bits']}-bit, groups of {quant['group_size']}"
+    groups = ", ".join(quant.get("group_sizes") or {}) or quant.get("group_size")
+    fmt = (f"{facts['format']} {quant['scheme']}: {quant['bits']}-bit, groups of {groups}"
            if quant else facts["format"])
     return f"weights {megabytes(facts['file_bytes'])} on disk ({fmt}, {facts['dtype']}){ratio}{note}"
 
