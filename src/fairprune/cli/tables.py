@@ -6,7 +6,9 @@ writes from the files a demo wrote, so the pages show what the demo produced, no
 - ``demo-table``: ``make demo``'s comparison (``runs/demo/compare/comparison.csv``) in
   ``README.md``, ``docs/getting-started.md``, ``docs/reading-a-comparison.md`` and ``docs/demo.md``;
 - ``demo-seed1-table``, ``demo-seed2-table``, ``demo-seeds``: the same demo from seeds 1 and 2
-  (``python -m fairprune.cli.demo --seed N``) and a line per seed, in ``docs/demo.md``.
+  (``python -m fairprune.cli.demo --seed N``) and a line per seed, in ``docs/demo.md``;
+- ``demo-lm-table``: ``make demo-lm``'s headline (``runs/demo_lm/comparison.csv``), the table it
+  printed, in ``docs/guides/lm.md``.
 
 Another table is one :data:`BLOCKS` entry: its folders, a function from them to Markdown, its pages.
 
@@ -138,6 +140,20 @@ def seeds_table(folders: list[Path]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def lm_table(folders: list[Path]) -> str:
+    """An LM comparison's headline from its ``comparison.csv`` and ``report.json`` (the baseline):
+    the table ``compare`` printed (:func:`fairprune.reporting.headline.headline`), as Markdown, with
+    its legend and a line per figure a run marks invalid."""
+    import json
+
+    from fairprune.reporting.headline import headline
+    from fairprune.reporting.terminal import headline_markdown
+
+    table = _comparison(folders[0])
+    report = json.loads((folders[0] / "report.json").read_text(encoding="utf-8"))
+    return headline_markdown(headline(table, str(report.get("baseline") or "")))
+
+
 #: The demo's runs from three seeds (``python -m fairprune.cli.demo --seed N``).
 SEED_RUNS = ("runs/demo/compare", "runs/demo_seed1/compare", "runs/demo_seed2/compare")
 
@@ -150,6 +166,7 @@ BLOCKS: dict[str, Block] = {
     "demo-seed2-table": Block(SEED_RUNS[2:3], vision_table, ("docs/demo.md",), "python -m fairprune.cli.demo --seed 2"),
     "demo-seeds": Block(SEED_RUNS, seeds_table, ("docs/demo.md",),
                         "make demo and python -m fairprune.cli.demo --seed 1 (and 2)"),
+    "demo-lm-table": Block(("runs/demo_lm",), lm_table, ("docs/guides/lm.md",), "make demo-lm"),
 }
 
 

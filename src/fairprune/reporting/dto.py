@@ -39,7 +39,9 @@ def dto(rows: Sequence[dict[str, Any]], accuracy: Sequence[str] = KNOWLEDGE,
     a knowledge figure (the first of ``accuracy`` the rows hold validly, :func:`choose`) and an
     abstention figure (likewise from ``abstention``) are min-max normalised over the rows that hold
     both validly (a figure equal on every such row normalises to 1), and each such row's DTO is its
-    Euclidean distance to the ideal point (1, 1). Lower is better. Rows whose figures are missing
+    Euclidean distance to the ideal point (1, 1). Lower is better. A figure below its chance level
+    (``<figure>_chance``) counts as the chance level: moving toward uniform answers, which is what
+    damage does to a model that answers below chance, earns nothing. Rows whose figures are missing
     or invalid get None and are named in ``left_out``. Returns the distances and ``{"accuracy",
     "abstention", "left_out"}`` (with ``reason`` where fewer than two rows hold both figures validly,
     so no row has a DTO); None where the rows hold no figure of one of the two lists at all."""
@@ -58,11 +60,15 @@ def dto(rows: Sequence[dict[str, Any]], accuracy: Sequence[str] = KNOWLEDGE,
                           f"abstention figure ({', '.join(abstention)})")
         return [None] * len(rows), used
 
-    def norm(value: float, key: str) -> float:
-        low, high = min(rows[i][key] for i in both), max(rows[i][key] for i in both)
-        return 1.0 if high == low else (value - low) / (high - low)
+    def floored(row: dict[str, Any], key: str) -> float:
+        chance = row.get(f"{key}_chance")
+        return max(row[key], chance) if _finite(chance) else row[key]
 
-    return [math.hypot(1 - norm(r[known], known), 1 - norm(r[abstains], abstains)) if i in both else None
+    def norm(row: dict[str, Any], key: str) -> float:
+        low, high = min(floored(rows[i], key) for i in both), max(floored(rows[i], key) for i in both)
+        return 1.0 if high == low else (floored(row, key) - low) / (high - low)
+
+    return [math.hypot(1 - norm(r, known), 1 - norm(r, abstains)) if i in both else None
             for i, r in enumerate(rows)], used
 
 

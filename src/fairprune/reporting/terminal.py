@@ -71,7 +71,8 @@ def _legend(columns: Sequence[Column]) -> str:
     dto = next((c for c in columns if c.key == "dto"), None)
     if dto is not None:
         notes.append(f"DTO: distance to (1, 1) of the figures min-max normalised over these rows"
-                     f"{' (' + dto.under + ')' if dto.under else ''}, valid figures only, lower is better")
+                     f"{' (' + dto.under + ')' if dto.under else ''}, valid figures only, below chance counted as "
+                     "chance, lower is better")
     if any(cell.invalid for c in columns for cell in c.cells):
         notes.append(f"{INVALID_MARK}: invalid (its run says why below), not ranked, left out of DTO")
     if any(cell.mark == CHANCE_MARK for c in columns for cell in c.cells):
@@ -114,3 +115,23 @@ def print_headline(columns: Sequence[Column], title: str = "", footer: str = "",
     for line in (_legend(columns), *invalid_lines(columns), footer):
         if line:
             console.print(Text(line))
+
+
+def headline_markdown(columns: Sequence[Column]) -> str:
+    """The printed table as Markdown: the same columns, headers and cells (each value with its
+    interval; a value its run marks invalid struck out and marked), then the legend and a line per
+    invalid figure: what a page shows as a comparison's headline."""
+    from fairprune.reporting.report import markdown_text
+
+    def cell(c: Cell) -> str:
+        text = str(markdown_text(c.text()))
+        return f"~~{markdown_text(c.value)}~~ {c.text()[len(c.value):].strip()}" if c.invalid else text
+
+    rows = max((len(c.cells) for c in columns), default=0)
+    lines = ["| " + " | ".join(str(markdown_text(c.head)) for c in columns) + " |",
+             "|" + "|".join("---:" if c.numeric else "---" for c in columns) + "|"]
+    lines += ["| " + " | ".join(cell(c.cells[i]) if i < len(c.cells) else "" for c in columns) + " |" for i in range(rows)]
+    notes = [line for line in (_legend(columns), *invalid_lines(columns)) if line]
+    # "[ ]: ..." at the start of a paragraph would read as a link reference definition: escaped.
+    notes = [str(markdown_text(n)).replace("[ ]:", "\\[ \\]:") for n in notes]
+    return "\n\n".join(["\n".join(lines), *notes]) + "\n"

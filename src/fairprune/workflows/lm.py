@@ -295,4 +295,4 @@ def _with_dto(rows: list[LMRow]) -> tuple[list[LMRow], dict[str, Any] | None]:
         return rows, None
     rows = [replace(row, metrics={**row.metrics, "dto": d}) if d is not None else row for row, d in zip(rows, distances)]
     return rows, {**used, "ideal": [1, 1], "normalisation": "min-max over the rows of this comparison that hold both "
-                                                          "figures validly"}
+                                                          "figures validly, a figure below chance counted as chance"}
