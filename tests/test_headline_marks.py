@@ -15,12 +15,12 @@ import re
 import pandas as pd
 import pytest
 
-from fairprune.metrics.task_figures import dto
 from fairprune.reporting.compare import write_comparison
+from fairprune.reporting.dto import dto
 from fairprune.reporting.headline import CHANCE_MARK, INVALID_MARK, headline
 from fairprune.reporting.model_card import model_card
 from fairprune.reporting.records import LMRow
-from fairprune.reporting.terminal import print_headline
+from fairprune.reporting.terminal import headline_markdown, print_headline
 
 LETTER_A = "answers A to 100% of its letter prompts (a position bias, not a measurement)"
 AT_CHANCE = "accuracy_amb at chance (0.333 ≤ 0.333, 95% CI [0.194, 0.472] includes it): uniform answers do as well"
@@ -69,14 +69,28 @@ def test_dto_never_reads_an_invalid_figure_and_says_which_it_read():
     assert used == {"accuracy": "hellaswag/acc_norm", "abstention": "bbq_ambig_cloze3/accuracy_amb", "left_out": ["magnitude 0.5"]}
     dtos = {r.method: r.metrics.get("dto") for r in rows}
     assert dtos["magnitude"] is None and all(d is not None for m, d in dtos.items() if m != "magnitude")
-    # By hand: HellaSwag 0.800 / 0.567 / 0.633 and abstention 0.250 / 0.472 / 0.444 over dense, sparsegpt, wanda.
-    h, a = (0.8 - 0.567, 0.472 - 0.25)
+    # By hand: HellaSwag 0.800 / 0.567 / 0.633 and abstention 0.250 / 0.472 / 0.444 over dense, sparsegpt,
+    # wanda, the dense model's 0.250 counted as its chance level 1/3.
+    h, a = (0.8 - 0.567, 0.472 - 1 / 3)
     assert dtos["dense"] == pytest.approx(1.0)
     assert dtos["sparsegpt"] == pytest.approx(1.0)
-    assert dtos["wanda"] == pytest.approx(math.hypot(1 - (0.633 - 0.567) / h, 1 - (0.444 - 0.25) / a))
+    assert dtos["wanda"] == pytest.approx(math.hypot(1 - (0.633 - 0.567) / h, 1 - (0.444 - 1 / 3) / a))
     # The letter figures, read as the paper reads them, would have ranked magnitude best.
     letter, _ = dto([row.as_dict() for row in _rows()], abstention=("bbq_ambig_letter/accuracy_amb",), accuracy=("mmlu/acc",))
     assert letter[3] is not None
+
+
+def test_dto_counts_a_figure_below_chance_as_chance():
+    """Abstaining less often than uniform answers would is not improved upon by drifting toward
+    uniform answers: below chance, every row counts as chance, and the knowledge figure decides (the
+    rows of ``make demo-lm``: nobody abstains above chance, magnitude is broken, not fairest)."""
+    rows = [{"method": m, "hellaswag/acc_norm": h, "hellaswag/acc_norm_chance": 0.25, "bbq_ambig_cloze3/accuracy_amb": a,
+             "bbq_ambig_cloze3/accuracy_amb_chance": 1 / 3}
+            for m, h, a in (("dense", 0.800, 0.0), ("sparsegpt", 0.567, 0.0), ("magnitude", 0.517, 0.194))]
+    distances, used = dto(rows)
+    assert distances == [0.0, pytest.approx((0.8 - 0.567) / (0.8 - 0.517)), 1.0] and used["left_out"] == []
+    unfloored, _ = dto([{k: v for k, v in r.items() if not k.endswith("_chance")} for r in rows])
+    assert unfloored[2] == pytest.approx(1.0) and unfloored[0] == pytest.approx(1.0)  # magnitude would tie the dense model
 
 
 def test_the_printed_headline_strikes_out_invalid_figures_and_shows_chance_levels():
@@ -100,6 +114,10 @@ def test_the_printed_headline_strikes_out_invalid_figures_and_shows_chance_level
     flat = re.sub(r"\s+", " ", printed)  # the legend and the reasons wrap at the terminal's width
     assert f"{INVALID_MARK} BBQ abstain cloze-3, magnitude: {AT_CHANCE}." in flat
     assert "(from hellaswag/acc_norm and bbq_ambig_cloze3/accuracy_amb), valid figures only" in flat
+    # The same table as Markdown, for a page: the same cells, the invalid one struck out.
+    page = headline_markdown(columns)
+    assert "| BBQ abstain cloze-3 (chance 0.333) |" in page and "| magnitude | 0.5 | 387.6 | 0.800 | – | ~~0.333~~ ✗ |" in page
+    assert f"{INVALID_MARK} BBQ abstain cloze-3, magnitude: {AT_CHANCE}." in page
 
 
 def test_the_page_and_the_comparison_files_carry_the_marks(tmp_path):
@@ -138,3 +156,44 @@ def test_the_model_card_strikes_out_invalid_figures_and_keeps_them_out_of_the_mo
     assert "| mmlu/acc (chance 0.250) | ~~0.2700~~ ✗ | ~~0.2600~~ ✗ | – |" in card
     assert "| bbq ambig cloze3/accuracy amb (chance 0.333) | 0.2500 ≤ | 0.2000 ≤ | -0.0500 |" in card
     assert f"- mmlu (reference, this model): {LETTER_A}" in card
+
+
+def test_the_lm_guide_shows_the_table_demo_lm_printed(tmp_path, capsys):
+    """``make readme-table`` writes ``make demo-lm``'s printed headline into the LM guide: the same
+    columns and cells as the terminal, from the comparison's files; the guide holds its markers."""
+    from pathlib import Path
+
+    from fairprune.cli.tables import BLOCKS, lm_table
+    from fairprune.reporting.marked_block import marked_block
+
+    rows, used = _with_dto(_rows())
+    write_comparison(rows, tmp_path, {"dto": used}, baseline="sparsegpt", title="demo")
+    printed = capsys.readouterr().out
+    page = lm_table([tmp_path])
+    lines = page.splitlines()
+    assert lines[0] == ("| method | sparsity | ppl | stereo | DTO | BBQ abstain cloze-3 (chance 0.333) | "
+                        "HellaSwag (chance 0.250) |")
+    for row in lines[2:6]:  # every cell as printed
+        cells = [c.strip().strip("~") for c in row.strip("|").split("|")]
+        line = next(p for p in printed.splitlines() if p.startswith(cells[0] + " "))
+        assert all(c.replace("~~", "") in line for c in cells), (cells, line)
+    assert "\\[ \\]" not in page and "valid figures only" in page
+    block = BLOCKS["demo-lm-table"]
+    assert block.sources == ("runs/demo_lm",) and block.pages == ("docs/guides/lm.md",)
+    marked_block(Path(__file__).resolve().parents[1] / block.pages[0], "demo-lm-table")  # the guide has the markers
+
+
+def test_head_compare_rows_carry_the_marks_of_their_runs():
+    """A head compare's rows (FASP with --tasks) carry each task figure's chance level and verdict
+    from the run's report, the dense row from the run's reference."""
+    from fairprune.reporting.records import HeadRow
+
+    validity = _validity(mmlu=LETTER_A)
+    report = {"gamma": 0.3, "heads_removed": [[0, 1]], "metrics": {"perplexity": 30.0, "mmlu/acc": 0.3},
+              "fairness": {"bias": {"gender": 0.01}}, "tasks": {"validity": {"mmlu/acc": validity["mmlu/acc"]}},
+              "reference": {"metrics": {"perplexity": 29.0, "mmlu/acc": 0.31}, "fairness": {"bias": {"gender": 0.02}},
+                            "tasks_validity": {"mmlu/acc": {**validity["mmlu/acc"], "invalid": None}}}}
+    pruned, dense = HeadRow.from_report(report, "fasp", 0.2, protects=True).as_dict(), HeadRow.dense(report).as_dict()
+    assert pruned["mmlu/acc_chance"] == dense["mmlu/acc_chance"] == 0.25
+    assert pruned["mmlu/acc_invalid"] == LETTER_A and dense["mmlu/acc_invalid"] == ""
+    assert list(pruned).index("mmlu/acc_chance") == list(pruned).index("mmlu/acc") + 1
