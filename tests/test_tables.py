@@ -69,6 +69,17 @@ def test_text_holding_a_marker_is_refused(tmp_path):
     assert page.read_text() == PAGE
 
 
+def test_every_page_of_the_demo_table_has_its_markers_and_a_table():
+    block = tables.BLOCKS["demo-table"]
+    assert block.pages[0] == "README.md"
+    for page in block.pages:
+        text = marked_block(ROOT / page, "demo-table")
+        head = text.splitlines()[0]
+        assert head.startswith("| method | sparsity | accuracy (95 % CI) | White | Black | Asian | Indian |"), page
+        assert [line.split(" | ")[0] for line in text.splitlines()[2:]] == \
+            ["| dense", "| dense +3 epochs", "| magnitude", "| fairgrape"], page
+
+
 def _comparison(folder: Path) -> None:
     folder.mkdir(parents=True)
     nan = float("nan")

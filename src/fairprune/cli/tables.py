@@ -159,6 +159,13 @@ SEED_RUNS = ("runs/demo/compare", "runs/demo_seed1/compare", "runs/demo_seed2/co
 
 #: Every generated table, by block name.
 BLOCKS: dict[str, Block] = {
+    "demo-table": Block(SEED_RUNS[:1], vision_table,
+                        ("README.md", "docs/getting-started.md", "docs/reading-a-comparison.md", "docs/demo.md"),
+                        "make demo"),
+    "demo-seed1-table": Block(SEED_RUNS[1:2], vision_table, ("docs/demo.md",), "python -m fairprune.cli.demo --seed 1"),
+    "demo-seed2-table": Block(SEED_RUNS[2:3], vision_table, ("docs/demo.md",), "python -m fairprune.cli.demo --seed 2"),
+    "demo-seeds": Block(SEED_RUNS, seeds_table, ("docs/demo.md",),
+                        "make demo and python -m fairprune.cli.demo --seed 1 (and 2)"),
     "demo-lm-table": Block(("runs/demo_lm",), lm_table, ("docs/guides/lm.md",), "make demo-lm"),
 }
 

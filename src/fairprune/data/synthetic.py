@@ -61,11 +61,11 @@ MAJORITY_RACE = 0
 #: difficulty. White faces' stripes are random in orientation (no cue), the others' carry gender.
 STRIPE_AMPLITUDE = np.array(
     [
-        [0.10, 0.22],  # White (random orientation)
-        [0.24, 0.34],  # Black
-        [0.16, 0.26],  # Asian
-        [0.20, 0.30],  # Indian
-        [0.20, 0.30],  # Others
+        [0.06, 0.14],  # White (random orientation)
+        [0.26, 0.36],  # Black
+        [0.20, 0.30],  # Asian
+        [0.22, 0.32],  # Indian
+        [0.22, 0.32],  # Others
     ],
     dtype=np.float32,
 )
@@ -74,8 +74,9 @@ STRIPE_RADIUS = 0.55
 #: Stripe period in pixels at any image size (8 at the default 64 px, 6 after the demo's resize to
 #: 48 px): survives JPEG at quality 90 and the resize.
 STRIPE_PERIOD = 8.0
-#: The design's version (2: every face carries a stripe disc, of a contrast set per race).
-VERSION = 2
+#: The design's version (2: every face carries a stripe disc, of a contrast set per race; 3: fainter
+#: random stripes on White faces, stronger ones on the others).
+VERSION = 3
 MARKER = ".complete"
 CHUNK = 512  # faces drawn at once: bounds memory to a few tens of MB
 
