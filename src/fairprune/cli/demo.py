@@ -25,10 +25,12 @@ import os
 import sys
 import time
 
-#: CPU kernels the demo runs with, set before torch loads: torch's own (``ATEN_CPU_CAPABILITY``) and
-#: oneDNN's convolutions (``DNNL_MAX_CPU_ISA``) capped at AVX2, so an AVX-512 machine computes the
-#: same float sums as an AVX2 one and prints the same table. A value the user set is kept.
-KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "DNNL_MAX_CPU_ISA": "AVX2"}
+#: CPU kernels the demo runs with, set before torch loads: torch's own (``ATEN_CPU_CAPABILITY``),
+#: oneDNN's convolutions (``DNNL_MAX_CPU_ISA``) and MKL's matrix products (``MKL_CBWR``, MKL's
+#: conditional numerical reproducibility, which otherwise picks its code path by CPU vendor and
+#: model) capped at AVX2, so an AVX-512 machine, Intel or AMD, computes the same float sums as an
+#: AVX2 one and prints the same table. A value the user set is kept.
+KERNELS = {"ATEN_CPU_CAPABILITY": "avx2", "DNNL_MAX_CPU_ISA": "AVX2", "MKL_CBWR": "AVX2"}
 for _name, _value in KERNELS.items():
     os.environ.setdefault(_name, _value)
 
