@@ -33,6 +33,17 @@ def test_the_hardware_is_this_machine_with_the_threads_torch_runs_now():
     assert isinstance(hardware["cpu"], str) and hardware["cpu"] and hardware["os"]
     cuda = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if torch.cuda.is_available() else []
     assert hardware["gpus"] == cuda or (not cuda and hardware["gpus"] == ["Apple MPS"])
+    assert hardware["cpu_kernels"]["torch"] == torch.backends.cpu.get_cpu_capability()
+
+
+def test_the_kernel_variables_that_are_set_are_recorded(monkeypatch):
+    monkeypatch.setenv("MKL_CBWR", "AVX2")
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
+    kernels = environment()["hardware"]["cpu_kernels"]
+    assert kernels["MKL_CBWR"] == "AVX2" and "DNNL_MAX_CPU_ISA" not in kernels
+    card = model_card({"method": "dense", "model": "mobilenet_v2", "metrics": {"accuracy": 0.9},
+                       "environment": environment()})
+    assert "MKL_CBWR=AVX2" in card[card.index("## Environment"):]
 
 
 def test_gpus_are_named_when_torch_sees_them(monkeypatch):

@@ -72,14 +72,22 @@ def gpus() -> list[str]:
     return ["Apple MPS"] if mps is not None and mps.is_available() else []
 
 
+#: Environment variables that choose the CPU kernels, and so the float sums (``make demo`` sets them).
+KERNEL_VARIABLES = ("ATEN_CPU_CAPABILITY", "DNNL_MAX_CPU_ISA", "MKL_CBWR")
+
+
 def hardware() -> dict[str, Any]:
     """The machine: ``cpu`` (model name), ``logical_cores`` (all of the machine's),
-    ``usable_cores`` (those this process may run on), ``torch_threads``, ``gpus`` and ``os``."""
+    ``usable_cores`` (those this process may run on), ``torch_threads``, ``gpus``, ``os`` and
+    ``cpu_kernels``: torch's CPU capability in use and the kernel variables that are set."""
     import torch
 
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    kernels = {"torch": torch.backends.cpu.get_cpu_capability(),
+               **{name: os.environ[name] for name in KERNEL_VARIABLES if name in os.environ}}
     return {"cpu": cpu_model(), "logical_cores": os.cpu_count(), "usable_cores": usable,
-            "torch_threads": torch.get_num_threads(), "gpus": gpus(), "os": platform.platform()}
+            "torch_threads": torch.get_num_threads(), "gpus": gpus(), "os": platform.platform(),
+            "cpu_kernels": kernels}
 
 
 def environment() -> dict[str, Any]:
@@ -109,5 +117,8 @@ def card_section(environment: Any) -> list[str]:
         gpus = [_text(g) for g in hardware["gpus"] if isinstance(g, str)] if isinstance(hardware.get("gpus"), list) else []
         cuda = f" (CUDA {_text(versions['cuda'])})" if isinstance(versions.get("cuda"), str) else ""
         system = f"; {_text(hardware['os'])}" if isinstance(hardware.get("os"), str) else ""
-        lines += [f"Machine: {cpu}; GPU: {', '.join(gpus) + cuda if gpus else 'none'}{system}.", ""]
+        kernels = hardware.get("cpu_kernels") if isinstance(hardware.get("cpu_kernels"), Mapping) else {}
+        named_kernels = ", ".join(f"{_text(k)}={_text(v)}" for k, v in kernels.items() if isinstance(v, str))
+        kernel_text = f"; CPU kernels: {named_kernels}" if named_kernels else ""
+        lines += [f"Machine: {cpu}; GPU: {', '.join(gpus) + cuda if gpus else 'none'}{system}{kernel_text}.", ""]
     return ["## Environment", "", *lines] if lines else []
