@@ -95,6 +95,7 @@ def test_plain_transformers_in_a_fresh_process_gives_fairprunes_logits(tmp_path)
     script = (
         "import sys, torch\n"
         "from transformers import AutoModelForCausalLM, CompressedTensorsConfig\n"
+        "torch.set_num_threads(1)  # as this process: the same summation order, so equal logits bit for bit\n"
         f"folder, ids = {str(tmp_path / 'q')!r}, torch.tensor({ids})\n"
         "plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()\n"
         "dequantized = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,\n"
