@@ -42,9 +42,32 @@ from torch import nn
 from fairprune.errors import UserError
 from fairprune.hub.formats import QUANTIZE
 
-BITS = {"w4a16": 4, "w8a16": 8}
+BITS = {"w4a16": 4, "w8a16": 8, "w4a16-gptq": 4, "w8a16-gptq": 8}
 FORMAT = "pack-quantized"
 SMALLEST_GROUP = 32  # below it the scales cost more than 0.5 bit a weight
+GPTQ = "-gptq"
+
+
+def is_gptq(quantize: str) -> bool:
+    """``--quantize`` asks for GPTQ's error compensation (``w4a16-gptq``), not plain rounding."""
+    return quantize.endswith(GPTQ)
+
+
+def weight_args(bits: int, group: int) -> Any:
+    """compressed-tensors' ``QuantizationArgs`` of the scheme: symmetric ints of ``bits``, one scale
+    per ``group`` inputs of a row (zero point 0)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group", group_size=group)
+
+
+def group_scale(weight: torch.Tensor, args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale and zero point of every group of ``weight`` [out, in] (compressed-tensors'
+    ``calculate_qparams``: the group's largest magnitude over half the integer range; zero point 0)."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    grouped = weight.float().view(weight.shape[0], -1, args.group_size)
+    return calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
 
 
 def check_quantize(quantize: str, group_size: int) -> None:
@@ -78,14 +101,27 @@ def quantized_layers(model: nn.Module) -> dict[str, nn.Linear]:
     return layers
 
 
-def check_groups(model: nn.Module, group_size: int) -> dict[str, int]:
-    """The group size of every quantized layer, refused in one line when a layer has none
-    (:func:`layer_group`): one size for the whole model, the smallest of the layers' own, which
-    divides every width (powers of two). One size because transformers' dequantize-on-load
-    (``CompressedTensorsConfig(dequantize=True)``, 5.x) applies one group size to every layer of
-    a checkpoint."""
+def block_layers(blocks) -> dict[str, nn.Module]:
+    """The prunable layers of a block model (:mod:`fairprune.pruning.blocks`, in memory or streamed:
+    no weights read) by full module name, each checked to be an ``nn.Linear``."""
+    layers = {blocks.prefix(layer)[:-1]: layer for block in blocks.blocks
+              for layer in blocks.family.block_linears(block).values()}
+    for name, layer in layers.items():
+        if not isinstance(layer, nn.Linear):
+            raise UserError(f"--quantize: block layer {name} is a {type(layer).__name__}, not a Linear; compressed-tensors "
+                            "quantizes Linear layers only (GPT-2's Conv1D among them): leave --quantize out for this model")
+    return layers
+
+
+def check_groups(model: nn.Module | dict[str, nn.Module], group_size: int) -> dict[str, int]:
+    """The group size of every quantized layer (``model``: a model, or its layers by full name),
+    refused in one line when a layer has none (:func:`layer_group`): one size for the whole
+    model, the smallest of the layers' own, which divides every width (powers of two). One size
+    because transformers' dequantize-on-load (``CompressedTensorsConfig(dequantize=True)``, 5.x)
+    applies one group size to every layer of a checkpoint."""
     groups = {}
-    for name, layer in quantized_layers(model).items():
+    layers = model if isinstance(model, dict) else quantized_layers(model)
+    for name, layer in layers.items():
         group = layer_group(layer.in_features, group_size)
         if group is None:
             raise UserError(f"--quant_group_size {group_size}: layer {name} has {layer.in_features} inputs, which no "
@@ -127,28 +163,34 @@ def _silenced(bar: Any) -> Any:
 
 
 @torch.no_grad()
+def quantization_config(groups: dict[str, int], bits: int) -> Any:
+    """compressed-tensors' ``QuantizationConfig`` of the folder: one config group per group size
+    naming its layers, the LM head ignored, format pack-quantized."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+
+    schemes = {}
+    for size in sorted(set(groups.values()), reverse=True):
+        targets = sorted(name for name, g in groups.items() if g == size)
+        schemes[f"group_{len(schemes)}"] = QuantizationScheme(targets=targets, weights=weight_args(bits, size))
+    return QuantizationConfig(config_groups=schemes, ignore=["lm_head"], format=FORMAT)
+
+
 def save_quantized(model: nn.Module, folder: str | os.PathLike, quantize: str, group_size: int = 128,
-                   progress: bool = True) -> dict[str, Any]:
+                   progress: bool = True, scales: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Write a quantized copy of ``model`` into ``folder`` (``model`` itself is left as it is) and
-    return the ``weights`` facts of the folder with its ``quantization`` facts inside."""
+    return the ``weights`` facts of the folder with its ``quantization`` facts inside. ``scales``:
+    a layer's scales by full module name where GPTQ chose them (its weights on their grid),
+    else they come from the weights."""
     with _quiet_bars(progress):
-        return _save_quantized(model, folder, quantize, group_size)
+        return _save_quantized(model, folder, quantize, group_size, scales or {})
 
 
-def _save_quantized(model: nn.Module, folder: str | os.PathLike, quantize: str, group_size: int) -> dict[str, Any]:
+def _save_quantized(model: nn.Module, folder: str | os.PathLike, quantize: str, group_size: int,
+                    scales: dict[str, torch.Tensor]) -> dict[str, Any]:
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationConfig,
-        QuantizationScheme,
-        QuantizationStatus,
-        apply_quantization_config,
-    )
-    from compressed_tensors.quantization.lifecycle.forward import dequantize
-    from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
-    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.quantization import QuantizationStatus, apply_quantization_config
 
-    from fairprune.hub.compressed import dense_weight_bytes, dtype_name, weight_file_bytes
+    from fairprune.hub.compressed import dense_weight_bytes, weight_file_bytes
 
     check_quantize(quantize, group_size)
     bits = BITS[quantize]
@@ -158,31 +200,14 @@ def _save_quantized(model: nn.Module, folder: str | os.PathLike, quantize: str, 
     dense_bytes = dense_weight_bytes(copy_)  # what save_pretrained writes for the dense model in this dtype
     layer_dense = sum(copy_.get_submodule(name).weight.numel() * copy_.get_submodule(name).weight.element_size()
                       for name in groups)
-    schemes = {}
-    for size in sorted(set(groups.values()), reverse=True):
-        targets = sorted(name for name, g in groups.items() if g == size)
-        args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group", group_size=size)
-        schemes[f"group_{len(schemes)}"] = QuantizationScheme(targets=targets, weights=args)
-    apply_quantization_config(copy_, QuantizationConfig(config_groups=schemes, ignore=["lm_head"], format=FORMAT))
-    zeros_kept, zeros, total = True, 0, 0
-    for name, size in groups.items():
+    apply_quantization_config(copy_, quantization_config(groups, bits))
+    counts = {"zeros": 0, "total": 0}
+    for name in groups:
         layer = copy_.get_submodule(name)
-        args = layer.quantization_scheme.weights
-        weight = layer.weight.detach()
-        grouped = weight.float().view(weight.shape[0], -1, size)
-        scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
-        layer.weight_scale.data.copy_(scale.reshape(layer.weight_scale.shape).to(layer.weight_scale.dtype))
+        scale, zero = layer_qparams(name, layer.weight.detach(), layer.quantization_scheme.weights, scales.get(name), counts)
+        layer.weight_scale.data.copy_(scale.reshape(layer.weight_scale.shape))
         layer.weight_zero_point.data.copy_(zero.reshape(layer.weight_zero_point.shape).to(layer.weight_zero_point.dtype))
-        if int(layer.weight_zero_point.abs().max()) != 0:
-            raise RuntimeError(f"symmetric quantization gave layer {name} a nonzero zero point")
         layer.quantization_status = QuantizationStatus.FROZEN
-        q = ct_quantize(weight, layer.weight_scale, layer.weight_zero_point, args)
-        zeros_kept &= bool((q[weight == 0] == 0).all())
-        zeros, total = zeros + int((q == 0).sum()), total + q.numel()
-        back = dequantize(q, layer.weight_scale, layer.weight_zero_point, args, dtype=weight.dtype)
-        zeros_kept &= bool((back[weight == 0] == 0).all())
-    if not zeros_kept:
-        raise RuntimeError("a pruned zero did not stay zero under symmetric quantization")
     compressor = ModelCompressor.from_pretrained_model(copy_, quantization_format=FORMAT)
     compressor.compress_model(copy_)
     folder = Path(folder)
@@ -190,11 +215,45 @@ def _save_quantized(model: nn.Module, folder: str | os.PathLike, quantize: str, 
     compressor.update_config(str(folder))
     layer_bytes = _stored_bytes(folder, groups)
     written = weight_file_bytes(folder)
-    quantization = {"scheme": quantize, "bits": bits, "group_size": group_size, "format": FORMAT, "symmetric": True,
+    return weight_facts(quantize, group_size, groups, dtype, dense_bytes, written,
+                        {"layer_bytes": layer_bytes, "layer_dense_bytes": layer_dense, **counts})
+
+
+def layer_qparams(name: str, weight: torch.Tensor, args: Any, scale: torch.Tensor | None,
+                  counts: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale (in ``weight``'s 16-bit dtype: what the folder stores) and zero point of one layer
+    [out, in]: ``scale`` where GPTQ chose it, else from the weights (:func:`group_scale`). Checked:
+    the zero point is 0 and every zero of ``weight`` is the integer 0 and comes back as 0.0;
+    ``counts`` gains the layer's integer zeros and entries."""
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+
+    own, zero = group_scale(weight, args)
+    scale = (own if scale is None else scale).to(weight.device).reshape(own.shape).to(weight.dtype)
+    if int(zero.abs().max()) != 0:
+        raise RuntimeError(f"symmetric quantization gave layer {name} a nonzero zero point")
+    q = quantize(weight, scale, zero, args)
+    back = dequantize(q, scale, zero, args, dtype=weight.dtype)
+    pruned = weight == 0
+    if not (bool((q[pruned] == 0).all()) and bool((back[pruned] == 0).all())):
+        raise RuntimeError(f"a pruned zero of layer {name} did not stay zero under symmetric quantization")
+    counts["zeros"] += int((q == 0).sum())
+    counts["total"] += q.numel()
+    return scale, zero
+
+
+def weight_facts(quantize: str, group_size: int, groups: dict[str, int], dtype: torch.dtype, dense_bytes: int,
+                 written: int, counts: dict[str, int]) -> dict[str, Any]:
+    """The ``weights`` facts of a written folder with its ``quantization`` facts inside (``counts``:
+    the quantized layers' stored and 16-bit bytes, their integer zeros and entries)."""
+    from fairprune.hub.compressed import dtype_name
+
+    layer_bytes, layer_dense = counts["layer_bytes"], counts["layer_dense_bytes"]
+    quantization = {"scheme": quantize, "bits": BITS[quantize], "group_size": group_size, "format": FORMAT,
+                    "symmetric": True, "rounding": "gptq" if is_gptq(quantize) else "nearest",
                     "quantized_layers": len(groups), "group_sizes": dict(sorted(_count(groups).items(), reverse=True)),
                     "layer_bytes": layer_bytes, "layer_dense_bytes": layer_dense,
                     "layer_ratio": layer_bytes / layer_dense if layer_dense else None,
-                    "zero_fraction": zeros / total if total else 0.0}
+                    "zero_fraction": counts["zeros"] / counts["total"] if counts["total"] else 0.0}
     return {"save_format": "dense", "dtype": dtype_name(dtype), "format": FORMAT, "dense_bytes": dense_bytes,
             "file_bytes": written, "ratio": written / dense_bytes if dense_bytes else None, "quantization": quantization}
 
