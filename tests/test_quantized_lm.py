@@ -171,9 +171,8 @@ def test_the_command_measures_the_folder_as_loaded_back(llama_folder, tmp_path, 
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--quantize", "w3a16"], "--quantize 'w3a16' is not one of none, w4a16, w8a16"),
+    (["--quantize", "w3a16"], "--quantize 'w3a16' is not one of none, w4a16, w8a16, w4a16-gptq, w8a16-gptq"),
     (["--quantize", "w4a16", "--quant_group_size", "100"], "--quant_group_size must be a power of two"),
-    (["--quantize", "w4a16", "--stream", "true"], "works on a model in memory for now"),
     (["--quantize", "w4a16", "--save_format", "compressed"], "does not combine with --save_format compressed"),
 ])
 def test_bad_option_values_are_one_line(llama_folder, tmp_path, capsys, extra, message):

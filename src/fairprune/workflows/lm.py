@@ -73,9 +73,9 @@ def _open(lm: LMOptions, machine: MachineOptions, calibration: bool = True) -> t
 def _check_quantize(blocks, lm: LMOptions) -> None:
     """``--quantize`` against the model's block layers (Linear, a group size for each), before any work."""
     if lm.quantize != "none":
-        from fairprune.hub.quantized import check_groups
+        from fairprune.hub.quantized import block_layers, check_groups
 
-        check_groups(blocks.model, lm.quant_group_size)
+        check_groups(block_layers(blocks), lm.quant_group_size)
 
 
 def _config(lm: LMOptions, machine: MachineOptions, **fields: Any) -> dict[str, Any]:

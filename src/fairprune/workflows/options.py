@@ -89,9 +89,6 @@ class LMOptions(CalibrationOptions):
         if self.quantize != "none" and self.save_format != "dense":
             raise UserError(f"--quantize {self.quantize} writes a pack-quantized folder; it does not combine with "
                             f"--save_format {self.save_format} (compressed-tensors has no sparse + quantized layout today)")
-        if self.quantize != "none" and self.stream is True:
-            raise UserError(f"--quantize {self.quantize} works on a model in memory for now; leave --stream true out "
-                            "(or give --stream false)")
 
 
 def check_trainer(trainer: dict | None, name: str = "--trainer's max_epochs") -> None:
