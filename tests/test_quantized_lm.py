@@ -210,3 +210,36 @@ def test_a_gpt2_model_is_refused_before_any_work(tmp_path, capsys):
     err = capsys.readouterr()
     assert code == 2 and "Conv1D, not a Linear" in err.err and len(err.err.strip().splitlines()) == 1
     assert "measuring" not in err.out and not out.exists()
+
+
+@pytest.mark.parametrize("method, scheme", [("sparsegpt", "w4a16"), ("wanda", "w4a16-gptq")])
+def test_streamed_writes_the_files_memory_writes_and_measures_them_as_loaded_back(llama_folder, tmp_path, method,
+                                                                                  scheme):
+    from safetensors.torch import load_file
+
+    texts = ["--eval_text", str(llama_folder / "eval.txt")]
+    reports = {}
+    for stream in ("false", "true"):
+        out = tmp_path / stream
+        assert prune_main([method, "--model", str(llama_folder / "dense"), "--sparsity", "0.5", "--quantize", scheme,
+                           "--stream", stream, "--output", str(out), *FAST, *texts]) == 0
+        reports[stream] = json.loads((out / "report.json").read_text())
+    memory, streamed = load_file(tmp_path / "false" / "model.safetensors"), load_file(tmp_path / "true" / "model.safetensors")
+    assert memory.keys() == streamed.keys() and all(torch.equal(memory[k], streamed[k]) for k in memory)
+    config = [json.loads((tmp_path / s / "config.json").read_text()) for s in ("false", "true")]
+    assert config[0]["quantization_config"] == config[1]["quantization_config"]
+    assert config[1]["dtype"] == "bfloat16"
+    report = reports["true"]
+    assert report["stream"] is True and report["quantization"]["rounding"] == ("gptq" if "gptq" in scheme else "nearest")
+    assert report["quantization"]["layer_ratio"] <= 0.30
+    for key in ("layer_bytes", "layer_dense_bytes", "zero_fraction"):
+        assert report["quantization"][key] == reports["false"]["quantization"][key]
+    assert report["weights"]["dense_bytes"] == reports["false"]["weights"]["dense_bytes"]
+    # read streamed, the folder measures what the model in memory loaded back measures
+    assert report["metrics"]["perplexity"] == pytest.approx(reports["false"]["metrics"]["perplexity"], rel=1e-5)
+    assert report["metrics"]["stereotype_score"] == reports["false"]["metrics"]["stereotype_score"]
+    # evaluate, reading the folder streamed, measures the same
+    assert prune_main(["evaluate", "--model", str(tmp_path / "true"), "--output", str(tmp_path / "eval"), "--stream",
+                       "true", *FAST, *texts]) == 0
+    evaluated = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert evaluated["metrics"]["perplexity"] == pytest.approx(report["metrics"]["perplexity"], rel=1e-5)
