@@ -174,6 +174,7 @@ def test_the_command_measures_the_folder_as_loaded_back(llama_folder, tmp_path, 
     (["--quantize", "w3a16"], "--quantize 'w3a16' is not one of none, w4a16, w8a16, w4a16-gptq, w8a16-gptq"),
     (["--quantize", "w4a16", "--quant_group_size", "100"], "--quant_group_size must be a power of two"),
     (["--quantize", "w4a16", "--save_format", "compressed"], "does not combine with --save_format compressed"),
+    (["--quantize", "w4a16-gptq", "--quant_group_size", "12"], "--quant_group_size must be a power of two"),
 ])
 def test_bad_option_values_are_one_line(llama_folder, tmp_path, capsys, extra, message):
     out = tmp_path / "x"
@@ -187,11 +188,11 @@ def test_compare_adds_a_pruned_and_quantized_row_paired_with_the_pruned_one(llam
     import pandas as pd
 
     out = tmp_path / "c"
-    assert prune_main(["compare", "--model", str(llama_folder / "dense"), "--methods", "[magnitude]", "--sparsities",
-                       '["0.5"]', "--quantize", "w4a16", "--output", str(out), *FAST,
-                       "--eval_text", str(llama_folder / "eval.txt")]) == 0
+    assert prune_main(["compare", "--model", str(llama_folder / "dense"), "--methods", "[magnitude, wanda]",
+                       "--sparsities", '["0.5"]', "--quantize", "w4a16", "--quantize_methods", "[magnitude]",
+                       "--output", str(out), *FAST, "--eval_text", str(llama_folder / "eval.txt")]) == 0
     table = pd.read_csv(out / "comparison.csv")
-    assert list(table["method"]) == ["dense", "magnitude", "magnitude + w4a16"]
+    assert list(table["method"]) == ["dense", "magnitude", "magnitude + w4a16", "wanda"]  # wanda: no quantized row
     pruned = json.loads((out / "magnitude_0.5" / "report.json").read_text())
     quantized = json.loads((out / "magnitude_0.5_w4a16" / "report.json").read_text())
     assert "quantization" not in pruned and quantized["quantization"]["bits"] == 4
