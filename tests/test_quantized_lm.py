@@ -95,6 +95,7 @@ def test_plain_transformers_in_a_fresh_process_gives_fairprunes_logits(tmp_path)
     script = (
         "import sys, torch\n"
         "from transformers import AutoModelForCausalLM, CompressedTensorsConfig\n"
+        "torch.set_num_threads(1)  # as this process: the same summation order, so equal logits bit for bit\n"
         f"folder, ids = {str(tmp_path / 'q')!r}, torch.tensor({ids})\n"
         "plain = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()\n"
         "dequantized = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32,\n"
@@ -170,10 +171,10 @@ def test_the_command_measures_the_folder_as_loaded_back(llama_folder, tmp_path, 
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--quantize", "w3a16"], "--quantize 'w3a16' is not one of none, w4a16, w8a16"),
+    (["--quantize", "w3a16"], "--quantize 'w3a16' is not one of none, w4a16, w8a16, w4a16-gptq, w8a16-gptq"),
     (["--quantize", "w4a16", "--quant_group_size", "100"], "--quant_group_size must be a power of two"),
-    (["--quantize", "w4a16", "--stream", "true"], "works on a model in memory for now"),
     (["--quantize", "w4a16", "--save_format", "compressed"], "does not combine with --save_format compressed"),
+    (["--quantize", "w4a16-gptq", "--quant_group_size", "12"], "--quant_group_size must be a power of two"),
 ])
 def test_bad_option_values_are_one_line(llama_folder, tmp_path, capsys, extra, message):
     out = tmp_path / "x"
@@ -187,11 +188,11 @@ def test_compare_adds_a_pruned_and_quantized_row_paired_with_the_pruned_one(llam
     import pandas as pd
 
     out = tmp_path / "c"
-    assert prune_main(["compare", "--model", str(llama_folder / "dense"), "--methods", "[magnitude]", "--sparsities",
-                       '["0.5"]', "--quantize", "w4a16", "--output", str(out), *FAST,
-                       "--eval_text", str(llama_folder / "eval.txt")]) == 0
+    assert prune_main(["compare", "--model", str(llama_folder / "dense"), "--methods", "[magnitude, wanda]",
+                       "--sparsities", '["0.5"]', "--quantize", "w4a16", "--quantize_methods", "[magnitude]",
+                       "--output", str(out), *FAST, "--eval_text", str(llama_folder / "eval.txt")]) == 0
     table = pd.read_csv(out / "comparison.csv")
-    assert list(table["method"]) == ["dense", "magnitude", "magnitude + w4a16"]
+    assert list(table["method"]) == ["dense", "magnitude", "magnitude + w4a16", "wanda"]  # wanda: no quantized row
     pruned = json.loads((out / "magnitude_0.5" / "report.json").read_text())
     quantized = json.loads((out / "magnitude_0.5_w4a16" / "report.json").read_text())
     assert "quantization" not in pruned and quantized["quantization"]["bits"] == 4
@@ -210,3 +211,36 @@ def test_a_gpt2_model_is_refused_before_any_work(tmp_path, capsys):
     err = capsys.readouterr()
     assert code == 2 and "Conv1D, not a Linear" in err.err and len(err.err.strip().splitlines()) == 1
     assert "measuring" not in err.out and not out.exists()
+
+
+@pytest.mark.parametrize("method, scheme", [("sparsegpt", "w4a16"), ("wanda", "w4a16-gptq")])
+def test_streamed_writes_the_files_memory_writes_and_measures_them_as_loaded_back(llama_folder, tmp_path, method,
+                                                                                  scheme):
+    from safetensors.torch import load_file
+
+    texts = ["--eval_text", str(llama_folder / "eval.txt")]
+    reports = {}
+    for stream in ("false", "true"):
+        out = tmp_path / stream
+        assert prune_main([method, "--model", str(llama_folder / "dense"), "--sparsity", "0.5", "--quantize", scheme,
+                           "--stream", stream, "--output", str(out), *FAST, *texts]) == 0
+        reports[stream] = json.loads((out / "report.json").read_text())
+    memory, streamed = load_file(tmp_path / "false" / "model.safetensors"), load_file(tmp_path / "true" / "model.safetensors")
+    assert memory.keys() == streamed.keys() and all(torch.equal(memory[k], streamed[k]) for k in memory)
+    config = [json.loads((tmp_path / s / "config.json").read_text()) for s in ("false", "true")]
+    assert config[0]["quantization_config"] == config[1]["quantization_config"]
+    assert config[1]["dtype"] == "bfloat16"
+    report = reports["true"]
+    assert report["stream"] is True and report["quantization"]["rounding"] == ("gptq" if "gptq" in scheme else "nearest")
+    assert report["quantization"]["layer_ratio"] <= 0.30
+    for key in ("layer_bytes", "layer_dense_bytes", "zero_fraction"):
+        assert report["quantization"][key] == reports["false"]["quantization"][key]
+    assert report["weights"]["dense_bytes"] == reports["false"]["weights"]["dense_bytes"]
+    # read streamed, the folder measures what the model in memory loaded back measures
+    assert report["metrics"]["perplexity"] == pytest.approx(reports["false"]["metrics"]["perplexity"], rel=1e-5)
+    assert report["metrics"]["stereotype_score"] == reports["false"]["metrics"]["stereotype_score"]
+    # evaluate, reading the folder streamed, measures the same
+    assert prune_main(["evaluate", "--model", str(tmp_path / "true"), "--output", str(tmp_path / "eval"), "--stream",
+                       "true", *FAST, *texts]) == 0
+    evaluated = json.loads((tmp_path / "eval" / "report.json").read_text())
+    assert evaluated["metrics"]["perplexity"] == pytest.approx(report["metrics"]["perplexity"], rel=1e-5)

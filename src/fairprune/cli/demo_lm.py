@@ -7,7 +7,9 @@
    lm-evaluation-harness on the bundled sets HellaSwag and MMLU accuracy, BBQ abstention accuracy
    and bias score (a cloze over each item's three answers, the paper's letter prompt, that prompt
    balanced over the answers' positions, lm-eval's twelve-answer cloze) and DTO, each with its
-   chance level, its interval and the paired difference against SparseGPT
+   chance level, its interval and the paired difference against SparseGPT; and SparseGPT's model
+   quantized to 4 bits (``sparsegpt + w4a16``: the pack-quantized folder plain transformers loads,
+   measured as loaded back, paired against SparseGPT's float model)
    (``configs/compare/lm_smollm2.yaml``: small calibration and evaluation caps so the whole demo
    fits in about ten minutes on two cores). The headline shows DTO and the abstention and
    knowledge figures it reads; a figure a run marks invalid (a letter task answered with one
@@ -40,7 +42,8 @@ def main(args: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"[demo-lm 1/2] ready: {folder} ({time.perf_counter() - start:.0f} s so far)", flush=True)
-    print("[demo-lm 2/2] SparseGPT, Debias-SparseGPT, Wanda, magnitude at 50 %, with lm-eval's yardsticks ...", flush=True)
+    print("[demo-lm 2/2] SparseGPT, Debias-SparseGPT, Wanda, magnitude at 50 % (SparseGPT also in 4-bit), with "
+          "lm-eval's yardsticks ...", flush=True)
     status = prune_main(["compare", "--config", COMPARE_CONFIG, "--output", OUTPUT, *(sys.argv[1:] if args is None else args)])
     if status:
         return status

@@ -49,16 +49,16 @@ def commands() -> dict[str, Command]:
                             "another name")
         table[method] = Command(f"Post-training {method} pruning of a causal LM (unstructured or N:M); "
                                    "writes a transformers folder and its report.", "fairprune.workflows.lm:prune_lm",
-                                   {"method": method})
+                                   {"method": method}, hide=("quantize_methods",))
     table["fasp"] = Command("FASP: remove the attention heads that most raise toxicity disparity, protecting the "
                                "heads perplexity needs (or a baseline: " + ", ".join(registry.names("heads")[1:]) + ").",
                                "fairprune.workflows.heads:fasp", hide=("save_format", "stream", "quantize",
-                                                                         "quant_group_size"))
+                                                                         "quant_group_size", "quantize_methods"))
     table["diff-compare"] = Command("Full fine-tuning vs fine-tuning + magnitude-pruned difference vs Diff-Pruning, "
                                        "one table, from a train.py text config.", "fairprune.cli.prune:diff_compare")
     table["evaluate"] = Command("Perplexity, stereotype score and sparsity of a causal LM.",
                                    "fairprune.workflows.lm:evaluate_lm",
-                                   hide=("save_format", "quantize", "quant_group_size"))
+                                   hide=("save_format", "quantize", "quant_group_size", "quantize_methods"))
     table["export"] = Command("Export a vision checkpoint to ONNX (dynamic batch), checked against PyTorch in "
                                  "ONNX Runtime.", "fairprune.workflows.export:export_vision")
     table["compare"] = Command("Compare methods x sparsities on a vision checkpoint (--ckpt) or a causal LM "

@@ -3,4 +3,4 @@ that check them are read by ``prune.py --help``); :mod:`fairprune.hub.compressed
 
 DTYPES = ("float32", "bfloat16", "float16")
 SAVE_FORMATS = ("dense", "compressed")
-QUANTIZE = ("none", "w4a16", "w8a16")
+QUANTIZE = ("none", "w4a16", "w8a16", "w4a16-gptq", "w8a16-gptq")

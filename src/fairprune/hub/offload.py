@@ -20,10 +20,14 @@ def offloaded(folder: str | Path, lm, budget_bytes: int) -> tuple[Any, dict[str,
         import torch
         from transformers import AutoModelForCausalLM
 
+        from fairprune.hub.quantized import dequantizing, is_quantized
+
+        # a pack-quantized folder: its layers decompressed on load, as the streamed run measured it
+        extra = {"quantization_config": dequantizing()} if is_quantized(folder) else {}
         with tempfile.TemporaryDirectory(prefix="fairprune-offload-") as spill:
             model = AutoModelForCausalLM.from_pretrained(
                 folder, dtype=getattr(torch, lm.dtype), device_map="auto", max_memory={"cpu": int(budget_bytes)},
-                offload_folder=spill, trust_remote_code=lm.trust_remote_code)
+                offload_folder=spill, trust_remote_code=lm.trust_remote_code, **extra)
             where = getattr(model, "hf_device_map", None) or {}  # none: the whole model fitted the budget
             facts["on_disk"] = sorted(name or "(the whole model)" for name, device in where.items() if device == "disk")
             try:

@@ -41,10 +41,34 @@ from torch import nn
 
 from fairprune.errors import UserError
 from fairprune.hub.formats import QUANTIZE
+from fairprune.hub.shards import ShardReader, ShardWriter
 
-BITS = {"w4a16": 4, "w8a16": 8}
+BITS = {"w4a16": 4, "w8a16": 8, "w4a16-gptq": 4, "w8a16-gptq": 8}
 FORMAT = "pack-quantized"
 SMALLEST_GROUP = 32  # below it the scales cost more than 0.5 bit a weight
+GPTQ = "-gptq"
+
+
+def is_gptq(quantize: str) -> bool:
+    """``--quantize`` asks for GPTQ's error compensation (``w4a16-gptq``), not plain rounding."""
+    return quantize.endswith(GPTQ)
+
+
+def weight_args(bits: int, group: int) -> Any:
+    """compressed-tensors' ``QuantizationArgs`` of the scheme: symmetric ints of ``bits``, one scale
+    per ``group`` inputs of a row (zero point 0)."""
+    from compressed_tensors.quantization import QuantizationArgs
+
+    return QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group", group_size=group)
+
+
+def group_scale(weight: torch.Tensor, args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale and zero point of every group of ``weight`` [out, in] (compressed-tensors'
+    ``calculate_qparams``: the group's largest magnitude over half the integer range; zero point 0)."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    grouped = weight.float().view(weight.shape[0], -1, args.group_size)
+    return calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
 
 
 def check_quantize(quantize: str, group_size: int) -> None:
@@ -78,14 +102,27 @@ def quantized_layers(model: nn.Module) -> dict[str, nn.Linear]:
     return layers
 
 
-def check_groups(model: nn.Module, group_size: int) -> dict[str, int]:
-    """The group size of every quantized layer, refused in one line when a layer has none
-    (:func:`layer_group`): one size for the whole model, the smallest of the layers' own, which
-    divides every width (powers of two). One size because transformers' dequantize-on-load
-    (``CompressedTensorsConfig(dequantize=True)``, 5.x) applies one group size to every layer of
-    a checkpoint."""
+def block_layers(blocks) -> dict[str, nn.Module]:
+    """The prunable layers of a block model (:mod:`fairprune.pruning.blocks`, in memory or streamed:
+    no weights read) by full module name, each checked to be an ``nn.Linear``."""
+    layers = {blocks.prefix(layer)[:-1]: layer for block in blocks.blocks
+              for layer in blocks.family.block_linears(block).values()}
+    for name, layer in layers.items():
+        if not isinstance(layer, nn.Linear):
+            raise UserError(f"--quantize: block layer {name} is a {type(layer).__name__}, not a Linear; compressed-tensors "
+                            "quantizes Linear layers only (GPT-2's Conv1D among them): leave --quantize out for this model")
+    return layers
+
+
+def check_groups(model: nn.Module | dict[str, nn.Module], group_size: int) -> dict[str, int]:
+    """The group size of every quantized layer (``model``: a model, or its layers by full name),
+    refused in one line when a layer has none (:func:`layer_group`): one size for the whole
+    model, the smallest of the layers' own, which divides every width (powers of two). One size
+    because transformers' dequantize-on-load (``CompressedTensorsConfig(dequantize=True)``, 5.x)
+    applies one group size to every layer of a checkpoint."""
     groups = {}
-    for name, layer in quantized_layers(model).items():
+    layers = model if isinstance(model, dict) else quantized_layers(model)
+    for name, layer in layers.items():
         group = layer_group(layer.in_features, group_size)
         if group is None:
             raise UserError(f"--quant_group_size {group_size}: layer {name} has {layer.in_features} inputs, which no "
@@ -127,28 +164,35 @@ def _silenced(bar: Any) -> Any:
 
 
 @torch.no_grad()
+def quantization_config(groups: dict[str, int], bits: int) -> Any:
+    """compressed-tensors' ``QuantizationConfig`` of the folder: one config group per group size
+    naming its layers, the LM head ignored, format pack-quantized."""
+    from compressed_tensors.quantization import QuantizationConfig, QuantizationScheme
+
+    schemes = {}
+    for size in sorted(set(groups.values()), reverse=True):
+        targets = sorted(name for name, g in groups.items() if g == size)
+        schemes[f"group_{len(schemes)}"] = QuantizationScheme(targets=targets, weights=weight_args(bits, size),
+                                                              format=FORMAT)
+    return QuantizationConfig(config_groups=schemes, ignore=["lm_head"], format=FORMAT)
+
+
 def save_quantized(model: nn.Module, folder: str | os.PathLike, quantize: str, group_size: int = 128,
-                   progress: bool = True) -> dict[str, Any]:
+                   progress: bool = True, scales: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Write a quantized copy of ``model`` into ``folder`` (``model`` itself is left as it is) and
-    return the ``weights`` facts of the folder with its ``quantization`` facts inside."""
+    return the ``weights`` facts of the folder with its ``quantization`` facts inside. ``scales``:
+    a layer's scales by full module name where GPTQ chose them (its weights on their grid),
+    else they come from the weights."""
     with _quiet_bars(progress):
-        return _save_quantized(model, folder, quantize, group_size)
+        return _save_quantized(model, folder, quantize, group_size, scales or {})
 
 
-def _save_quantized(model: nn.Module, folder: str | os.PathLike, quantize: str, group_size: int) -> dict[str, Any]:
+def _save_quantized(model: nn.Module, folder: str | os.PathLike, quantize: str, group_size: int,
+                    scales: dict[str, torch.Tensor]) -> dict[str, Any]:
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationArgs,
-        QuantizationConfig,
-        QuantizationScheme,
-        QuantizationStatus,
-        apply_quantization_config,
-    )
-    from compressed_tensors.quantization.lifecycle.forward import dequantize
-    from compressed_tensors.quantization.lifecycle.forward import quantize as ct_quantize
-    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.quantization import QuantizationStatus, apply_quantization_config
 
-    from fairprune.hub.compressed import dense_weight_bytes, dtype_name, weight_file_bytes
+    from fairprune.hub.compressed import dense_weight_bytes, weight_file_bytes
 
     check_quantize(quantize, group_size)
     bits = BITS[quantize]
@@ -158,31 +202,14 @@ def _save_quantized(model: nn.Module, folder: str | os.PathLike, quantize: str, 
     dense_bytes = dense_weight_bytes(copy_)  # what save_pretrained writes for the dense model in this dtype
     layer_dense = sum(copy_.get_submodule(name).weight.numel() * copy_.get_submodule(name).weight.element_size()
                       for name in groups)
-    schemes = {}
-    for size in sorted(set(groups.values()), reverse=True):
-        targets = sorted(name for name, g in groups.items() if g == size)
-        args = QuantizationArgs(num_bits=bits, type="int", symmetric=True, strategy="group", group_size=size)
-        schemes[f"group_{len(schemes)}"] = QuantizationScheme(targets=targets, weights=args)
-    apply_quantization_config(copy_, QuantizationConfig(config_groups=schemes, ignore=["lm_head"], format=FORMAT))
-    zeros_kept, zeros, total = True, 0, 0
-    for name, size in groups.items():
+    apply_quantization_config(copy_, quantization_config(groups, bits))
+    counts = {"zeros": 0, "total": 0}
+    for name in groups:
         layer = copy_.get_submodule(name)
-        args = layer.quantization_scheme.weights
-        weight = layer.weight.detach()
-        grouped = weight.float().view(weight.shape[0], -1, size)
-        scale, zero = calculate_qparams(grouped.amin(-1), grouped.amax(-1), args)
-        layer.weight_scale.data.copy_(scale.reshape(layer.weight_scale.shape).to(layer.weight_scale.dtype))
+        scale, zero = layer_qparams(name, layer.weight.detach(), layer.quantization_scheme.weights, scales.get(name), counts)
+        layer.weight_scale.data.copy_(scale.reshape(layer.weight_scale.shape))
         layer.weight_zero_point.data.copy_(zero.reshape(layer.weight_zero_point.shape).to(layer.weight_zero_point.dtype))
-        if int(layer.weight_zero_point.abs().max()) != 0:
-            raise RuntimeError(f"symmetric quantization gave layer {name} a nonzero zero point")
         layer.quantization_status = QuantizationStatus.FROZEN
-        q = ct_quantize(weight, layer.weight_scale, layer.weight_zero_point, args)
-        zeros_kept &= bool((q[weight == 0] == 0).all())
-        zeros, total = zeros + int((q == 0).sum()), total + q.numel()
-        back = dequantize(q, layer.weight_scale, layer.weight_zero_point, args, dtype=weight.dtype)
-        zeros_kept &= bool((back[weight == 0] == 0).all())
-    if not zeros_kept:
-        raise RuntimeError("a pruned zero did not stay zero under symmetric quantization")
     compressor = ModelCompressor.from_pretrained_model(copy_, quantization_format=FORMAT)
     compressor.compress_model(copy_)
     folder = Path(folder)
@@ -190,11 +217,45 @@ def _save_quantized(model: nn.Module, folder: str | os.PathLike, quantize: str, 
     compressor.update_config(str(folder))
     layer_bytes = _stored_bytes(folder, groups)
     written = weight_file_bytes(folder)
-    quantization = {"scheme": quantize, "bits": bits, "group_size": group_size, "format": FORMAT, "symmetric": True,
+    return weight_facts(quantize, group_size, groups, dtype, dense_bytes, written,
+                        {"layer_bytes": layer_bytes, "layer_dense_bytes": layer_dense, **counts})
+
+
+def layer_qparams(name: str, weight: torch.Tensor, args: Any, scale: torch.Tensor | None,
+                  counts: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The scale (in ``weight``'s 16-bit dtype: what the folder stores) and zero point of one layer
+    [out, in]: ``scale`` where GPTQ chose it, else from the weights (:func:`group_scale`). Checked:
+    the zero point is 0 and every zero of ``weight`` is the integer 0 and comes back as 0.0;
+    ``counts`` gains the layer's integer zeros and entries."""
+    from compressed_tensors.quantization.lifecycle.forward import dequantize, quantize
+
+    own, zero = group_scale(weight, args)
+    scale = (own if scale is None else scale).to(weight.device).reshape(own.shape).to(weight.dtype)
+    if int(zero.abs().max()) != 0:
+        raise RuntimeError(f"symmetric quantization gave layer {name} a nonzero zero point")
+    q = quantize(weight, scale, zero, args)
+    back = dequantize(q, scale, zero, args, dtype=weight.dtype)
+    pruned = weight == 0
+    if not (bool((q[pruned] == 0).all()) and bool((back[pruned] == 0).all())):
+        raise RuntimeError(f"a pruned zero of layer {name} did not stay zero under symmetric quantization")
+    counts["zeros"] += int((q == 0).sum())
+    counts["total"] += q.numel()
+    return scale, zero
+
+
+def weight_facts(quantize: str, group_size: int, groups: dict[str, int], dtype: torch.dtype, dense_bytes: int,
+                 written: int, counts: dict[str, int]) -> dict[str, Any]:
+    """The ``weights`` facts of a written folder with its ``quantization`` facts inside (``counts``:
+    the quantized layers' stored and 16-bit bytes, their integer zeros and entries)."""
+    from fairprune.hub.compressed import dtype_name
+
+    layer_bytes, layer_dense = counts["layer_bytes"], counts["layer_dense_bytes"]
+    quantization = {"scheme": quantize, "bits": BITS[quantize], "group_size": group_size, "format": FORMAT,
+                    "symmetric": True, "rounding": "gptq" if is_gptq(quantize) else "nearest",
                     "quantized_layers": len(groups), "group_sizes": dict(sorted(_count(groups).items(), reverse=True)),
                     "layer_bytes": layer_bytes, "layer_dense_bytes": layer_dense,
                     "layer_ratio": layer_bytes / layer_dense if layer_dense else None,
-                    "zero_fraction": zeros / total if total else 0.0}
+                    "zero_fraction": counts["zeros"] / counts["total"] if counts["total"] else 0.0}
     return {"save_format": "dense", "dtype": dtype_name(dtype), "format": FORMAT, "dense_bytes": dense_bytes,
             "file_bytes": written, "ratio": written / dense_bytes if dense_bytes else None, "quantization": quantization}
 
@@ -264,3 +325,167 @@ def load_quantized(folder: str | os.PathLike, dtype: torch.dtype | None = None, 
         warnings.simplefilter("ignore", UserWarning)
         return AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=trust_remote_code,
                                                     quantization_config=dequantizing(), **kwargs).eval()
+
+
+# -- streamed: written block by block, read layer by layer ------------------------------------------
+class QuantizedWriter:
+    """A quantized folder's weights written tensor by tensor as a streamed run solves its blocks:
+    takes the model's state-dict entries by name (as :class:`~fairprune.hub.shards.ShardWriter`
+    does) and stores each quantized layer's weight as compressed-tensors' pack-quantized parts
+    (``PackedQuantizationCompressor.compress``: ``weight_packed``, ``weight_scale``,
+    ``weight_shape``), every other float tensor in ``dtype``: the files :func:`save_quantized`
+    writes for the model in memory. ``tensors``: every state-dict entry (meta tensors will do);
+    ``groups``: the quantized layers' group size by full module name; ``scales``: the scales GPTQ
+    chose by full module name (taken as each layer is written; the rest come from the weights)."""
+
+    def __init__(self, folder: str | os.PathLike, tensors: dict[str, torch.Tensor], quantize: str,
+                 groups: dict[str, int], scales: dict[str, torch.Tensor], dtype: torch.dtype,
+                 total_parameters: int | None = None):
+        self.quantize, self.groups, self.scales, self.dtype = quantize, groups, scales, dtype
+        self.layers = {f"{name}.weight": name for name in groups}
+        self.counts = {"zeros": 0, "total": 0, "layer_bytes": 0, "layer_dense_bytes": 0}
+        self.dense_bytes = 0
+        planned: dict[str, torch.Tensor] = {}
+        for name, t in tensors.items():
+            meta = torch.empty(tuple(t.shape), dtype=dtype if t.is_floating_point() else t.dtype, device="meta")
+            self.dense_bytes += meta.numel() * meta.element_size()
+            if name in self.layers:
+                self.counts["layer_dense_bytes"] += meta.numel() * meta.element_size()
+                planned.update(self._parts(name, meta))
+            else:
+                planned[name] = meta
+        self.shards = ShardWriter(folder, planned, total_parameters=total_parameters)
+        self._pending = set(tensors)
+
+    def _scheme(self, layer: str) -> Any:
+        from compressed_tensors.quantization import QuantizationScheme
+
+        return QuantizationScheme(targets=[layer], weights=weight_args(BITS[self.quantize], self.groups[layer]))
+
+    def _parts(self, name: str, weight: torch.Tensor, scale: torch.Tensor | None = None,
+               zero: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """compressed-tensors' parts of one layer's weight by full name (a meta weight: their shapes)."""
+        from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+
+        layer = self.layers[name]
+        if scale is None:
+            groups = (weight.shape[0], weight.shape[1] // self.groups[layer])
+            scale = torch.empty(groups, dtype=self.dtype, device="meta")
+            zero = torch.empty(groups, dtype=torch.int8, device="meta")
+        state = {"weight": weight, "weight_scale": scale, "weight_zero_point": zero}
+        parts = PackedQuantizationCompressor.compress(state, self._scheme(layer))
+        return {f"{layer}.{part}": tensor for part, tensor in parts.items()}
+
+    def missing(self) -> list[str]:
+        """State-dict entries not written yet."""
+        return sorted(self._pending)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write state-dict entry ``name``: a quantized layer's weight as its parts, the rest in ``dtype``."""
+        if name in self.layers:
+            layer = self.layers[name]
+            weight = tensor.detach().to(self.dtype)
+            scale, zero = layer_qparams(layer, weight, self._scheme(layer).weights, self.scales.pop(layer, None),
+                                        self.counts)
+            for part, value in self._parts(name, weight, scale, zero).items():
+                self.counts["layer_bytes"] += value.numel() * value.element_size()
+                self.shards.write(part, value.contiguous())
+        else:
+            self.shards.write(name, tensor.detach().to(self.dtype) if tensor.is_floating_point() else tensor.detach())
+        self._pending.discard(name)
+
+    def write_many(self, tensors) -> None:
+        for name, tensor in tensors:
+            self.write(name, tensor)
+
+    def close(self) -> list[str]:
+        return self.shards.close()
+
+    def abort(self) -> None:
+        self.shards.abort()
+
+    def finish(self, folder: str | os.PathLike, group_size: int) -> dict[str, Any]:
+        """``config.json``'s ``quantization_config`` (compressed-tensors' own writer, as for a model in
+        memory) and the ``weights`` facts of the folder; after :meth:`close` and the config's writing."""
+        from compressed_tensors.compressors import ModelCompressor
+        from compressed_tensors.quantization import QuantizationStatus
+
+        from fairprune.hub.compressed import weight_file_bytes
+
+        config = quantization_config(self.groups, BITS[self.quantize])
+        config.quantization_status = QuantizationStatus.COMPRESSED
+        ModelCompressor(quantization_config=config).update_config(str(folder))
+        return weight_facts(self.quantize, group_size, self.groups, self.dtype, self.dense_bytes,
+                            weight_file_bytes(folder), self.counts)
+
+
+def open_reader(folder: str | os.PathLike):
+    """The reader of a model folder's safetensors weights: a :class:`QuantizedReader` for a
+    pack-quantized folder, else a plain :class:`~fairprune.hub.shards.ShardReader`."""
+    return QuantizedReader(folder) if is_quantized(folder) else ShardReader(folder)
+
+
+class QuantizedReader(ShardReader):
+    """A pack-quantized folder read tensor by tensor (a streamed run, :mod:`fairprune.pruning.streamed`):
+    each quantized layer shows as its ``<layer>.weight``, decompressed when read by
+    compressed-tensors' ``PackedQuantizationCompressor.decompress`` (the integers times their
+    scale, in the scale's 16-bit dtype: what ``from_pretrained`` with ``dequantize=True`` holds),
+    its packed parts hidden; every other tensor as stored."""
+
+    def __init__(self, folder: str | os.PathLike):
+        import json
+
+        from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+        from compressed_tensors.quantization import QuantizationConfig
+
+        super().__init__(folder)
+        raw = json.loads((Path(folder) / "config.json").read_text())["quantization_config"]
+        config = QuantizationConfig.model_validate({k: v for k, v in raw.items() if k in QuantizationConfig.model_fields})
+        self._layers: dict[str, tuple[str, Any, tuple[int, ...], str]] = {}
+        hidden: set[str] = set()
+        for key in [k for k in self.files if k.endswith(".weight_packed")]:
+            layer = key.removesuffix(".weight_packed")
+            scheme = _scheme_of(config, layer, folder)
+            parts = [f"{layer}.{p}" for p in PackedQuantizationCompressor.compression_param_names(scheme)]
+            shape = tuple(int(v) for v in super().read(f"{layer}.weight_shape").tolist())
+            self._layers[f"{layer}.weight"] = (layer, scheme, shape, self._entries[f"{layer}.weight_scale"]["dtype"])
+            self.files[f"{layer}.weight"] = self.files[key]
+            hidden.update(parts)
+        self._hidden = hidden
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files and name not in self._hidden
+
+    def keys(self) -> list[str]:
+        return [k for k in self.files if k not in self._hidden]
+
+    def stored_dtype(self, name: str) -> str:
+        return self._layers[name][3] if name in self._layers else super().stored_dtype(name)
+
+    def info(self, name: str) -> tuple[torch.dtype, tuple[int, ...]]:
+        if name in self._layers:
+            return super().info(f"{self._layers[name][0]}.weight_scale")[0], self._layers[name][2]
+        return super().info(name)
+
+    def read(self, name: str, dtype: torch.dtype | None = None, device: str | torch.device = "cpu") -> torch.Tensor:
+        if name not in self._layers:
+            return super().read(name, dtype, device)
+        from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+
+        layer, scheme, _, _ = self._layers[name]
+        names = PackedQuantizationCompressor.compression_param_names(scheme)
+        parts = {part: super(QuantizedReader, self).read(f"{layer}.{part}") for part in names}
+        weight = PackedQuantizationCompressor.decompress(parts, scheme)["weight"]
+        return weight.to(device=device, dtype=dtype or weight.dtype)
+
+
+def _scheme_of(config: Any, layer: str, folder) -> Any:
+    """The config group of a quantized layer: the one naming it (by name, ``re:`` pattern or ``Linear``)."""
+    import re
+
+    for scheme in (config.config_groups or {}).values():
+        for target in scheme.targets:
+            if target in (layer, "Linear") or (target.startswith("re:") and re.match(target[3:], layer)):
+                return scheme
+    raise UserError(f"'{folder}': no config group of its quantization_config names layer {layer}; the folder's "
+                    "config.json does not match its weights")

@@ -42,6 +42,9 @@ class BlockModel:
     """What both kinds share: the model's parts by the family table, and their state-dict names."""
 
     streamed = False
+    #: ``--quantize``'s plan (:class:`fairprune.pruning.gptq.LayerQuantizer`), set by the run that
+    #: writes the model quantized: GPTQ solves each layer after its prune, the writer stores its scales.
+    quantizer = None
 
     def __init__(self, model: nn.Module, source: str, load=None):
         self.model, self.config, self.source = model, model.config, source
@@ -130,7 +133,7 @@ class Resident(BlockModel):
         """The pruned model into ``out`` (None on ranks that do not write; ``output``: the run's
         folder, for messages), refused when not finite on every rank: the model the run measures
         and the ``weights`` facts of the files written. That model is this one (pruned in place),
-        or with ``quantize`` (w4a16, w8a16: :mod:`fairprune.hub.quantized`) the one plain
+        or with ``quantize`` (w4a16, w8a16, their -gptq forms: :mod:`fairprune.hub.quantized`) the one plain
         ``from_pretrained`` loads back from ``out``, in this model's dtype, so the figures are
         those of the folder as it ships."""
         from fairprune.hub.compressed import save_weights
@@ -142,7 +145,8 @@ class Resident(BlockModel):
         if quantize != "none":
             from fairprune.hub.quantized import load_quantized, save_quantized
 
-            weights = save_quantized(self.model, out, quantize, quant_group_size, progress=progress)
+            scales = self.quantizer.scales if self.quantizer is not None else None
+            weights = save_quantized(self.model, out, quantize, quant_group_size, progress=progress, scales=scales)
             tokenizer.save_pretrained(out)
             loaded = load_quantized(out, self.dtype, trust_remote_code, progress=progress)
             return Resident(loaded, source=self.source), weights

@@ -131,6 +131,10 @@ def prune_causal_lm(
     blocks._digest = None  # its weights change: a digest taken before no longer holds
     family = blocks.family
     _validate(blocks.model, family, entry, sparsity, calib_ids, pairs)
+    gptq = blocks.quantizer if blocks.quantizer is not None and blocks.quantizer.gptq else None
+    if gptq is not None and calib_ids is None and pairs is None:
+        raise UserError(f"--quantize {gptq.quantize} compensates from the layer Hessian: it needs calibration data "
+                        "(calib_ids), also for a method that prunes from the weights alone")
     solve_seconds = [0.0]
     settings = {"blocksize": blocksize, "percdamp": percdamp}
     dense_rows, rows = [], []
@@ -139,6 +143,11 @@ def prune_causal_lm(
         dense_rows.extend(sparsity_table([Target(name, layer)]))
         tick = time.perf_counter()
         solve_layer(entry, layer, stat, sparsity, settings)
+        if gptq is not None:  # quantized with the mask fixed, before the next block is calibrated on it
+            from fairprune.hub.quantized import save_dtype
+
+            gptq.solve(blocks.prefix(layer)[:-1], layer, stat, settings, save_dtype(blocks.dtype))
+        stat = None
         solve_seconds[0] += time.perf_counter() - tick
         rows.extend(sparsity_table([Target(name, layer)]))
 
@@ -154,9 +163,11 @@ def prune_causal_lm(
         writer.write_many((name, t) for name, t in blocks.state_of(block) if name in planned)
 
     def make_stat(name: str, layer: nn.Module):
-        return entry.make_statistic(linear_weight(layer).shape[1], device=device)
+        columns = linear_weight(layer).shape[1]
+        own = entry.make_statistic(columns, device=device) if entry.statistic is not None else None
+        return own if gptq is None else gptq.statistic(own, columns, entry.hessian, device)
 
-    calibrated = entry.statistic is not None
+    calibrated = entry.statistic is not None or gptq is not None
     inputs = rank_inputs(calib_ids, pairs, batch_size, pair_batch_size) if calibrated else None  # this rank's share
     run_layerwise(blocks, inputs, device, make_stat if calibrated else None, prune,
                   progress and distributed.is_main(), desc=method, after=solved)

@@ -66,6 +66,8 @@ class Method:
         scope: how the sparsity budget is shared: per-layer, global, per-row or heads.
         uses_data: needs data (gradients, calibration, generations) besides the weights.
         paired: lm: calibrates on paired stereotype / anti-stereotype inputs.
+        hessian: lm: its statistic's value is the layer Hessian (``--quantize *-gptq`` compensates
+            with it; a method without one collects a plain Hessian beside its statistic).
         rewind: vision: the kept weights rewind to an early epoch after every step (lottery ticket).
         granularities: vision: what the method may prune: ``weight`` (masks) and / or ``channel``
             (whole channels removed, :mod:`fairprune.pruning.channels`).
@@ -88,6 +90,7 @@ class Method:
     scope: str = "per-layer"
     uses_data: bool = True
     paired: bool = False
+    hessian: bool = False
     rewind: bool = False
     granularities: tuple[str, ...] = ("weight", "channel")
     channel_reduce: str = "sum"
@@ -145,10 +148,10 @@ _BUILTIN = (
            selection="fairprune.pruning.wanda:wanda_solve", scope="per-row"),
     Method("sparsegpt", "lm", "OBS mask and weight update from the layer Hessian XXᵀ",
            statistic="fairprune.pruning.sparsegpt:Hessian", selection="fairprune.pruning.sparsegpt:sparsegpt_solve",
-           options=_SOLVER_OPTIONS, scope="per-row"),
+           options=_SOLVER_OPTIONS, scope="per-row", hessian=True),
     Method("debias-sparsegpt", "lm", "SparseGPT with the paired Hessian X0X0ᵀ + X1X1ᵀ + 2ΔXΔXᵀ",
            statistic="fairprune.pruning.sparsegpt:PairedHessian", selection="fairprune.pruning.sparsegpt:sparsegpt_solve",
-           options=_SOLVER_OPTIONS, scope="per-row", paired=True),
+           options=_SOLVER_OPTIONS, scope="per-row", paired=True, hessian=True),
     Method("fasp", "heads", "protect the top-γ heads for perplexity, remove those whose removal lowers bias most",
            selection=f"{_HEADS}:select_fasp_heads", options=_HEAD_OPTIONS, scope="heads", scored=True, protects=True),
     Method("fairness", "heads", "remove the heads whose removal lowers bias most (γ = 0)",

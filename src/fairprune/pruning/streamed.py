@@ -38,7 +38,8 @@ from tqdm.auto import tqdm
 
 from fairprune.errors import UserError
 from fairprune.hub.checks import nonfinite
-from fairprune.hub.shards import ShardReader, refuse_nonfloat
+from fairprune.hub.quantized import QuantizedReader, open_reader
+from fairprune.hub.shards import refuse_nonfloat
 from fairprune.memory import trim_heap
 from fairprune.pruning.blocks import BlockModel
 from fairprune.pruning.calibration import CalibInput, capture_block_inputs, run_block
@@ -64,10 +65,12 @@ class StreamedModel(BlockModel):
 
         self.folder = Path(folder)
         source = source or str(folder)  # the name the user gave, for messages
-        self.reader = ShardReader(self.folder)
+        self.reader = open_reader(self.folder)  # a pack-quantized folder: its layers read decompressed
         self.dtype = dtype or torch.float32
         try:
             config = AutoConfig.from_pretrained(self.folder, trust_remote_code=trust_remote_code)
+            if isinstance(self.reader, QuantizedReader) and hasattr(config, "quantization_config"):
+                del config.quantization_config  # the model held is the float one its layers decompress to
             with init_empty_weights(include_buffers=False):
                 model = AutoModelForCausalLM.from_config(config, dtype=self.dtype, trust_remote_code=trust_remote_code)
         except (OSError, ValueError, KeyError) as err:
@@ -158,10 +161,20 @@ class StreamedModel(BlockModel):
 
     def writer(self, out: Path | None):
         """A writer of the pruned model into ``out`` (None: this rank does not write): the tensors
-        ``save_pretrained`` writes, in its order."""
+        ``save_pretrained`` writes, in its order; with a ``quantizer`` (``--quantize``), a
+        :class:`~fairprune.hub.quantized.QuantizedWriter` that quantizes each block's layers as they
+        are written."""
         from fairprune.hub.shards import ShardWriter
 
-        return None if out is None else ShardWriter(out, self.output_tensors(), total_parameters=self.num_parameters())
+        if out is None:
+            return None
+        if self.quantizer is not None:
+            from fairprune.hub.quantized import QuantizedWriter, block_layers, save_dtype
+
+            groups = dict.fromkeys(block_layers(self), self.quantizer.group)
+            return QuantizedWriter(out, self.output_tensors(), self.quantizer.quantize, groups, self.quantizer.scales,
+                                   save_dtype(self.dtype), total_parameters=self.num_parameters())
+        return ShardWriter(out, self.output_tensors(), total_parameters=self.num_parameters())
 
     def weight_bytes(self) -> int:
         """Bytes of the weights ``save_pretrained`` writes in the run's dtype."""
@@ -172,21 +185,26 @@ class StreamedModel(BlockModel):
         return self.weight_bytes() + 128 * len(tokenizer) + 64 * 1024
 
     def save(self, out: Path | None, output, tokenizer, writer, method: str, trust_remote_code: bool = False,
-             **_: Any) -> tuple[StreamedModel, dict | None]:
+             quant_group_size: int = 128, **_: Any) -> tuple[StreamedModel, dict | None]:
         """Finish the pruned model in ``out`` (its blocks were written as they were solved): the
-        writer closed, config and tokenizer beside it; then the pruned model as written, read from
-        rank 0's files on every rank, and the ``weights`` facts of the files."""
+        writer closed, config and tokenizer beside it (a quantized folder's ``quantization_config``
+        too); then the pruned model as written, read from rank 0's files on every rank (a quantized
+        one's layers decompressed as read), and the ``weights`` facts of the files."""
         from fairprune.distributed import broadcast_text
         from fairprune.hub.compressed import dtype_name, weight_file_bytes
 
         weights = None
         if out is not None:
             writer.close()
-            self.write_model_files(out)
+            quantized = self.quantizer is not None
+            self.write_model_files(out, writer.dtype if quantized else self.dtype)
             tokenizer.save_pretrained(out)
-            dense, written = self.weight_bytes(), weight_file_bytes(out)
-            weights = {"save_format": "dense", "dtype": dtype_name(self.dtype), "format": "dense", "dense_bytes": dense,
-                       "file_bytes": written, "ratio": written / dense if dense else None}
+            if quantized:
+                weights = writer.finish(out, quant_group_size)
+            else:
+                dense, written = self.weight_bytes(), weight_file_bytes(out)
+                weights = {"save_format": "dense", "dtype": dtype_name(self.dtype), "format": "dense",
+                           "dense_bytes": dense, "file_bytes": written, "ratio": written / dense if dense else None}
         folder = Path(broadcast_text(None if out is None else str(out)))
         return StreamedModel(folder, self.dtype, trust_remote_code, source=str(output)), weights
 
@@ -204,14 +222,14 @@ class StreamedModel(BlockModel):
         parts = [self.nbytes(*self.front_modules()), self.nbytes(*self.tail_modules()[:-1]), self.nbytes(self.tail_modules()[-1])]
         return {"largest_block_bytes": block, "largest_part_bytes": max(block, *parts), "model_bytes": self.weight_bytes()}
 
-    def write_model_files(self, out: Path) -> None:
-        """``config.json`` (the run's dtype) and ``generation_config.json`` beside the weights, as
-        ``save_pretrained`` writes them."""
+    def write_model_files(self, out: Path, dtype: torch.dtype | None = None) -> None:
+        """``config.json`` (``dtype``, default the run's) and ``generation_config.json`` beside the
+        weights, as ``save_pretrained`` writes them."""
         from transformers import GenerationConfig
 
         config = self.model.config
         config.architectures = [type(self.model).__name__]
-        config.dtype = self.dtype
+        config.dtype = dtype or self.dtype
         config.save_pretrained(out)
         generation = None
         if (self.folder / "generation_config.json").is_file():

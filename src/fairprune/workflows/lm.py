@@ -73,9 +73,9 @@ def _open(lm: LMOptions, machine: MachineOptions, calibration: bool = True) -> t
 def _check_quantize(blocks, lm: LMOptions) -> None:
     """``--quantize`` against the model's block layers (Linear, a group size for each), before any work."""
     if lm.quantize != "none":
-        from fairprune.hub.quantized import check_groups
+        from fairprune.hub.quantized import block_layers, check_groups
 
-        check_groups(blocks.model, lm.quant_group_size)
+        check_groups(block_layers(blocks), lm.quant_group_size)
 
 
 def _config(lm: LMOptions, machine: MachineOptions, **fields: Any) -> dict[str, Any]:
@@ -153,15 +153,17 @@ def _cell(method: str, sparsity: Sparsity) -> str:
     return f"{method}_{sparsity.label}"
 
 
-def _runs(methods: list[str], sparsities: list[Sparsity], quantize: str = "none") -> list[tuple[str, str, Sparsity, str, str]]:
+def _runs(methods: list[str], sparsities: list[Sparsity], quantize: str = "none",
+          quantized: list[str] | None = None) -> list[tuple[str, str, Sparsity, str, str]]:
     """The runs of an LM compare, in order: ``(row label, method, sparsity, folder, quantize)``;
-    with ``--quantize`` each method and sparsity twice, pruned (``sparsegpt``, ``sparsegpt_0.5``)
-    then pruned and quantized (``sparsegpt + w4a16``, ``sparsegpt_0.5_w4a16``)."""
+    with ``--quantize`` each method of ``quantized`` (default: every one) and sparsity twice, pruned
+    (``sparsegpt``, ``sparsegpt_0.5``) then pruned and quantized (``sparsegpt + w4a16``,
+    ``sparsegpt_0.5_w4a16``)."""
     found = []
     for method in methods:
         for s in sparsities:
             found.append((method, method, s, _cell(method, s), "none"))
-            if quantize != "none":
+            if quantize != "none" and (quantized is None or method in quantized):
                 found.append((f"{method} + {quantize}", method, s, f"{_cell(method, s)}_{quantize}", quantize))
     return found
 
@@ -171,8 +173,8 @@ def _compare_folders(output: str, methods: list[str], sparsities: list[str | flo
     """Every folder :func:`compare_lm` writes, its output first, named as its loop names them: all
     are locked before the model loads, so a run into one of them is refused while compare runs."""
     parsed = [Sparsity.parse(s) for s in sparsities]
-    quantize = lm.quantize if lm is not None else "none"
-    return [Path(output)] + [Path(output) / folder for _, _, _, folder, _ in _runs(methods, parsed, quantize)]
+    quantize, quantized = (lm.quantize, lm.quantize_methods) if lm is not None else ("none", None)
+    return [Path(output)] + [Path(output) / folder for _, _, _, folder, _ in _runs(methods, parsed, quantize, quantized)]
 
 
 @_torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
@@ -200,12 +202,16 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
         raise UserError(f"--baseline {baseline!r} is neither dense nor one of the compared methods ({', '.join(methods)}); "
                         "name one of them")
     sparsities = [Sparsity.parse(s) for s in sparsities]
+    stray = sorted(set(lm.quantize_methods or ()) - set(methods))
+    if stray:
+        raise UserError(f"--quantize_methods names {', '.join(stray)}, which --methods does not compare "
+                        f"({', '.join(methods)}); name compared methods")
     specs = task_specs(lm)
     texts, tokenizer, blocks, stream = _open(lm, machine)
     for s in sparsities:  # every N:M pattern must fit the layer widths before the first run
         check_pattern_fits(blocks.model, s)
     _check_quantize(blocks, lm)
-    runs = _runs(methods, sparsities, lm.quantize)
+    runs = _runs(methods, sparsities, lm.quantize, lm.quantize_methods)
     check_free_space(output, blocks.saved_bytes(tokenizer) * len(runs))
     load_seconds = time.perf_counter() - start
     ids, dense = dense_of(blocks, tokenizer, texts, lm, machine, specs)
@@ -219,7 +225,7 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
         if blocks is None:  # the first run prunes the model the dense figures came from (in memory: in place)
             blocks = open_blocks(lm, stream)
             load_seconds = time.perf_counter() - tick
-        run_lm = replace(lm, quantize=quantize)
+        run_lm = replace(lm, quantize=quantize, quantize_methods=None)
         config = _config(run_lm, machine, method=method, sparsity=str(s), **asdict(solver))
         report = prune_run(blocks, tokenizer, method, s, Path(output) / name, texts, run_lm, solver, machine, config,
                            ids=ids, dense=dense, shared_dense=True, load_seconds=load_seconds, specs=specs,

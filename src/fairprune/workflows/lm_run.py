@@ -40,6 +40,17 @@ from fairprune.workflows.options import LMOptions, MachineOptions
 from fairprune.workflows.tasks import attach
 
 
+def _quantizer(blocks, lm: LMOptions):
+    """``--quantize``'s plan for the run (None without it): the scheme and the model's one group size."""
+    if lm.quantize == "none":
+        return None
+    from fairprune.hub.quantized import block_layers, check_groups
+    from fairprune.pruning.gptq import LayerQuantizer
+
+    groups = check_groups(block_layers(blocks), lm.quant_group_size)
+    return LayerQuantizer(lm.quantize, min(groups.values(), default=lm.quant_group_size))
+
+
 def prune_run(blocks, tokenizer, method: str, sparsity: Sparsity, output: str | Path, texts, lm: LMOptions,
               solver: SolverOptions, machine: MachineOptions, config: dict[str, Any], *, ids: torch.Tensor,
               dense: DenseFigures, shared_dense: bool = False, load_seconds: float = 0.0, specs=None,
@@ -52,7 +63,10 @@ def prune_run(blocks, tokenizer, method: str, sparsity: Sparsity, output: str | 
     entry = registry.get(method, "lm")
     talk = machine.progress and distributed.is_main()
     device = resolve_device(lm.device)
-    calib = calibration_ids(tokenizer, texts.calib_text, lm.nsamples, lm.seqlen, lm.seed) if entry.uses_data else None
+    blocks.quantizer = _quantizer(blocks, lm)
+    gptq = blocks.quantizer is not None and blocks.quantizer.gptq  # GPTQ calibrates every method
+    calib = (calibration_ids(tokenizer, texts.calib_text, lm.nsamples, lm.seqlen, lm.seed)
+             if entry.uses_data or gptq else None)
     pairs = paired_ids(tokenizer, texts.calib_pairs, lm.seqlen) if entry.paired else None
     dense_seconds = 0.0 if shared_dense else dense.seconds
     report: dict[str, Any] = {}
@@ -61,7 +75,7 @@ def prune_run(blocks, tokenizer, method: str, sparsity: Sparsity, output: str | 
         """Prune, save and measure; collective under torchrun: rank 0 writes into ``out`` (the
         staging folder), the other ranks (``out`` None) calibrate, solve and measure beside it."""
         tick = time.perf_counter()
-        writer = blocks.writer(out)
+        writer = blocks.writer(out)  # streamed and --quantize: it quantizes each block as it is written
         try:
             result = prune_causal_lm(blocks, method, sparsity, calib, pairs, device, solver.percdamp, solver.blocksize,
                                      progress=talk, writer=writer)

@@ -41,7 +41,7 @@ def _streamable_bytes(lm: LMOptions) -> int | None:
     read headers only), else None."""
     from fairprune.hub.shards import ShardReader, local_folder
 
-    if lm.save_format != "dense" or lm.quantize != "none":
+    if lm.save_format != "dense":
         return None
     try:
         reader = ShardReader(local_folder(lm.model, resolve_name(lm.model)))
@@ -59,8 +59,7 @@ def stream_choice(lm: LMOptions, talk: bool = True) -> bool:
     if distributed.is_main():
         size, free = _streamable_bytes(lm), available_bytes()
         if size is None:
-            why = ("in memory (--stream auto: the model is not a local safetensors folder, or --save_format is not "
-                   "dense, or --quantize is given)")
+            why = "in memory (--stream auto: the model is not a local safetensors folder, or --save_format is not dense)"
         elif free is None:
             why = "in memory (--stream auto: the available memory is not known here; --stream true streams)"
         else:

@@ -35,8 +35,9 @@ class LMOptions(CalibrationOptions):
         dense_cache: reuse the dense model's figures measured by an earlier run with the same weights, texts and settings (kept in the project cache, .cache/fairprune/dense); false: measure again.
         dtype: float32, bfloat16 or float16: the dtype the model is loaded, pruned and saved in (the solvers work in float32 inside each layer).
         save_format: dense (save_pretrained: zeros stored) or compressed (compressed-tensors sparse-bitmask, or sparse-24-bitmask at 2:4: the nonzeros and a bitmask; read by fairprune alone today); weight pruning only.
-        quantize: none, w4a16 or w8a16: after pruning, the blocks' linear layers quantized to 4- or 8-bit symmetric integers per group (a pruned zero stays zero) and written as a compressed-tensors pack-quantized folder that plain transformers loads; the run's figures are measured on the model loaded back from it (the prune commands, and compare --model beside each pruned row; in memory: not with --stream true or --save_format compressed).
+        quantize: none, w4a16, w8a16, w4a16-gptq or w8a16-gptq: after pruning, the blocks' linear layers quantized to 4- or 8-bit symmetric integers per group (a pruned zero stays zero; -gptq: with GPTQ's error compensation from the layer Hessian, the sparsity mask held fixed) and written as a compressed-tensors pack-quantized folder that plain transformers loads; the run's figures are measured on the model loaded back from it (the prune commands, in memory or --stream true, and compare --model beside each pruned row; not with --save_format compressed).
         quant_group_size: inputs per quantization group (a power of two); a layer whose input width it does not divide takes the largest power of two below it that does (at least 32, or the value given when smaller).
+        quantize_methods: compare --model with --quantize: the methods that get a pruned + quantized row (default: every compared method).
         tasks: lm-evaluation-harness tasks measured beside perplexity, on the model in memory, e.g. [hellaswag, mmlu, bbq_ambig, bbq_ambig_letter, crows_pairs_english] (these read local files: --task_data, else the bundled sets; any other lm-eval task name loads as lm-eval defines it and downloads its data).
         task_data: NAME=PATH entries pointing a task (or a data format: bbq, hellaswag, mmlu, crows_pairs) at a file in the data set's public format, e.g. bbq=/data/BBQ/data/Age.jsonl; NAME=hub: lm-eval's stock data.
         limit: lm-eval's --limit: the first N documents of each task (a fraction below 1: that share of them).
@@ -53,6 +54,7 @@ class LMOptions(CalibrationOptions):
     save_format: str = "dense"
     quantize: str = "none"
     quant_group_size: int = 128
+    quantize_methods: list[str] | None = None
     stream: bool | Literal["auto"] = "auto"
     tasks: list[str] | str | None = None
     task_data: list[str] | str | None = None
@@ -86,12 +88,12 @@ class LMOptions(CalibrationOptions):
         group = self.quant_group_size
         if isinstance(group, bool) or not isinstance(group, int) or group < 8 or group & (group - 1):
             raise UserError(f"--quant_group_size must be a power of two of at least 8 (e.g. 128); got {group}")
+        if self.quantize_methods is not None and self.quantize == "none":
+            raise UserError("--quantize_methods names the methods that get a quantized row; give --quantize too "
+                            "(e.g. --quantize w4a16)")
         if self.quantize != "none" and self.save_format != "dense":
             raise UserError(f"--quantize {self.quantize} writes a pack-quantized folder; it does not combine with "
                             f"--save_format {self.save_format} (compressed-tensors has no sparse + quantized layout today)")
-        if self.quantize != "none" and self.stream is True:
-            raise UserError(f"--quantize {self.quantize} works on a model in memory for now; leave --stream true out "
-                            "(or give --stream false)")
 
 
 def check_trainer(trainer: dict | None, name: str = "--trainer's max_epochs") -> None:
