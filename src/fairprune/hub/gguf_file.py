@@ -41,8 +41,9 @@ from torch import nn
 
 from fairprune.errors import UserError
 
-#: ``--gguf_type``: the ggml type of the 2-D tensors and its nominal bits per weight.
-GGUF_TYPES = {"f16": ("F16", 16), "q8_0": ("Q8_0", 8), "q4_0": ("Q4_0", 4)}
+#: ``--gguf_type`` (:data:`fairprune.hub.formats.GGUF_TYPES`): the ggml type of the 2-D tensors and
+#: its nominal bits per weight.
+GGML_TYPES = {"f16": ("F16", 16), "q8_0": ("Q8_0", 8), "q4_0": ("Q4_0", 4)}
 #: The ``general.file_type`` of each ``--gguf_type`` (``gguf.LlamaFileType``).
 FILE_TYPES = {"f16": "MOSTLY_F16", "q8_0": "MOSTLY_Q8_0", "q4_0": "MOSTLY_Q4_0"}
 
@@ -86,8 +87,8 @@ def family_for(model: nn.Module) -> GGUFFamily:
 
 
 def check_gguf_type(gguf_type: str) -> None:
-    if gguf_type not in GGUF_TYPES:
-        raise UserError(f"--gguf_type {gguf_type!r} is not one of {', '.join(GGUF_TYPES)}")
+    if gguf_type not in GGML_TYPES:
+        raise UserError(f"--gguf_type {gguf_type!r} is not one of {', '.join(GGML_TYPES)}")
 
 
 def rope_theta(config: Any) -> float:
@@ -270,7 +271,7 @@ def tensor_type(name: str, shape: tuple[int, ...], gguf_type: str) -> Any:
     types = gguf.GGMLQuantizationType
     if len(shape) < 2:
         return types.F32
-    chosen = getattr(types, GGUF_TYPES[gguf_type][0])
+    chosen = getattr(types, GGML_TYPES[gguf_type][0])
     if gguf_type == "q4_0" and name in ("token_embd.weight", "output.weight"):
         chosen = types.Q8_0
     block, _ = gguf.GGML_QUANT_SIZES[chosen]
