@@ -60,7 +60,8 @@ def commands() -> dict[str, Command]:
                                    "fairprune.workflows.lm:evaluate_lm",
                                    hide=("save_format", "quantize", "quant_group_size", "quantize_methods"))
     table["export"] = Command("Export a vision checkpoint to ONNX (dynamic batch), checked against PyTorch in "
-                                 "ONNX Runtime.", "fairprune.workflows.export:export_vision")
+                                 "ONNX Runtime, or a causal LM to GGUF (--format gguf), checked against transformers' "
+                                 "GGUF reader.", "fairprune.workflows.export:export")
     table["compare"] = Command("Compare methods x sparsities on a vision checkpoint (--ckpt) or a causal LM "
                                   "(--model; --alphas for head pruning); one table.", "fairprune.cli.prune:compare",
                                   hide=("alpha",))

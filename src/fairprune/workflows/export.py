@@ -1,4 +1,6 @@
-"""``prune.py export``: a trained or pruned vision checkpoint as an ONNX file, checked against PyTorch.
+"""``prune.py export``: a trained or pruned vision checkpoint as an ONNX file, checked against PyTorch
+(``--format onnx``, the default), or a causal LM as a GGUF file, checked against transformers' own
+GGUF reader (``--format gguf``, :func:`export_gguf`).
 
 The checkpoint is rebuilt as the vision commands rebuild it (:func:`fairprune.workflows.vision.load_trained`:
 read as data, never unpickled as code), its pruning masks made permanent in a copy, and the network
@@ -19,6 +21,7 @@ from fairprune.models.deploy import input_shape_of, plain_copy
 from fairprune.models.onnx_export import DYNAMO_MIN_OPSET, export_onnx, max_abs_differences, ort_session
 from fairprune.storage.atomic import replace_atomically
 from fairprune.storage.lock import check_apart
+from fairprune.workflows.options import GGUFOptions, MachineOptions
 from fairprune.workflows.vision import load_trained
 
 #: The batch sizes ONNX Runtime's outputs are checked at (two: the batch dimension is dynamic).
@@ -139,3 +142,184 @@ def export_vision(ckpt: str, output: str = "model.onnx", opset: int = DYNAMO_MIN
     return {"output": str(path), "bytes": path.stat().st_size, "opset": opset, "input_shape": list(shape),
             "exporter": "dynamo" if dynamo else "torchscript", "max_abs_difference": worst,
             "max_abs_difference_per_batch": {str(b): d for b, d in found.items()}, "atol": atol}
+
+
+def export(ckpt: str | None = None, model: str | None = None, format: str = "onnx", output: str | None = None,
+           opset: int = DYNAMO_MIN_OPSET, atol: float = 1e-4, image_size: int | None = None, dynamo: bool = True,
+           gguf: GGUFOptions = GGUFOptions(), machine: MachineOptions = MachineOptions()) -> dict[str, Any]:
+    """Export a vision checkpoint to ONNX (--format onnx --ckpt ...; checked in ONNX Runtime against
+    PyTorch), or a causal LM to GGUF for llama.cpp / Ollama (--format gguf --model ...; read back by
+    transformers' GGUF reader and checked against the source with its weights rounded to the format).
+
+    Args:
+        ckpt: onnx: checkpoint written by train.py fit or prune.py vision (e.g. runs/demo/dense/checkpoints/last.ckpt).
+        model: gguf: causal LM (hub name, folder written by a prune command, smollm2-135m or a *.gguf file) of the llama, mistral or qwen2 family.
+        format: onnx (a vision checkpoint) or gguf (a causal LM).
+        output: the file to write (default: model.onnx; gguf: <model>.<gguf_type>.gguf); gguf: a folder takes that name inside it. Written atomically; gguf writes <name>.report.json beside it.
+        opset: onnx: ONNX opset (torch's current exporter writes 18 or later).
+        atol: largest absolute difference allowed (onnx: ONNX Runtime's outputs against PyTorch's; gguf: the loaded-back model's logits against the source's with its weights rounded to the format).
+        image_size: onnx: input height and width (default: the checkpoint's data setting).
+        dynamo: onnx: torch's current exporter (torch.export); false: the TorchScript exporter, faster, older opsets.
+    """
+    from fairprune.hub.formats import EXPORT_FORMATS
+
+    if format not in EXPORT_FORMATS:
+        raise UserError(f"--format {format!r} is not one of {', '.join(EXPORT_FORMATS)}")
+    if format == "onnx":
+        if model is not None or ckpt is None:
+            raise UserError("--format onnx exports a vision checkpoint: give --ckpt (a causal LM --model exports with "
+                            "--format gguf)")
+        machine.apply()
+        return export_vision(ckpt, output or "model.onnx", opset, atol, image_size, dynamo)
+    if ckpt is not None or model is None:
+        raise UserError("--format gguf exports a causal LM: give --model (a hub name, a model folder, smollm2-135m or a "
+                        "*.gguf file), not --ckpt")
+    return export_gguf(model, output, gguf, atol, machine)
+
+
+def gguf_path(model: str, output: str | None, gguf_type: str) -> Path:
+    """The file ``--output`` names: itself when it ends in ``.gguf``, ``<model>.<gguf_type>.gguf``
+    inside it when it is a folder (or ends with a separator), that name here when not given."""
+    import os
+
+    name = f"{Path(model.rstrip('/')).name.removesuffix('.gguf') or 'model'}.{gguf_type}.gguf"
+    if output is None:
+        return Path(name)
+    path = Path(output)
+    if path.is_dir() or output.endswith((os.sep, "/")):
+        return path / name
+    if path.suffix.lower() != ".gguf":
+        raise UserError(f"--output '{output}' does not end in .gguf; give the GGUF file to write (e.g. {name}) or a folder")
+    return path
+
+
+def report_path(path: Path) -> Path:
+    """``<name>.report.json`` beside ``<name>.gguf``."""
+    return path.with_name(f"{path.name[: -len(path.suffix)]}.report.json")
+
+
+def export_gguf(model: str, output: str | None = None, options: GGUFOptions = GGUFOptions(), atol: float = 1e-4,
+                machine: MachineOptions = MachineOptions()) -> dict[str, Any]:
+    """Write ``model`` as a GGUF file of ``options.gguf_type`` (:mod:`fairprune.hub.gguf_file`) and
+    check it before it is put in place: transformers' GGUF reader loads it back, and its logits on
+    the first evaluation window must equal, within ``atol``, those of the source with every weight
+    rounded to the format; a pruned zero must still be zero. A failed check leaves no file. Then
+    ``<name>.report.json`` is written beside it (:func:`gguf_report`)."""
+    import json
+
+    from fairprune.data.pairs import lm_texts
+    from fairprune.hub import load_model, load_tokenizer, read_folders
+    from fairprune.hub.gguf_file import check_gguf_type, family_for
+    from fairprune.metrics.language import eval_ids
+    from fairprune.storage.atomic import write_text
+
+    machine.apply()
+    check_gguf_type(options.gguf_type)
+    if not atol > 0:
+        raise UserError(f"--atol must be a positive tolerance, e.g. 1e-4; got {atol}")
+    path = gguf_path(model, output, options.gguf_type)
+    check_apart([path, report_path(path)], read_folders(model))  # never over the model it reads
+    _check_writable(path, str(path))  # before the model is loaded
+    source = load_model(model, trust_remote_code=options.trust_remote_code, dtype="float32").eval()
+    family_for(source)  # an unsupported family refused before any work
+    tokenizer = load_tokenizer(model, options.trust_remote_code)
+    ids = eval_ids(lm_texts(None, options.eval_text).eval_text, tokenizer, options.eval_tokens)
+    if len(ids) < options.eval_seqlen:
+        raise UserError(f"--eval_text has {len(ids)} tokens, less than one --eval_seqlen window of {options.eval_seqlen}")
+    found: dict[str, Any] = {}
+    try:
+        replace_atomically(path, lambda tmp: found.update(_write_checked(source, tokenizer, tmp, ids, options, atol,
+                                                                         machine.progress)))
+    except OSError as err:
+        raise UserError(f"cannot write --output '{path}' ({err.strerror or type(err).__name__}); pass a file in a folder "
+                        "you can write to") from None
+    report = gguf_report(model, path, source, found, options)
+    write_text(report_path(path), json.dumps(report, indent=1) + "\n")
+    ppl = report["perplexity"]
+    print(f"[export] {path} ({report['bytes'] / 1e6:.1f} MB, {options.gguf_type}, {report['ratio']:.3f} of dense bf16 "
+          f"{report['dense_bf16_bytes'] / 1e6:.1f} MB); read back by transformers: logits max abs difference "
+          f"{report['logits_max_abs_difference']:.3g} against the source rounded to {options.gguf_type} (tolerance {atol:g}), "
+          f"{report['pruned_zeros']['kept']}/{report['pruned_zeros']['source']} pruned zeros kept, perplexity "
+          f"{ppl['source']:.2f} -> {ppl['loaded']:.2f} on {ppl['tokens']} tokens; report {report_path(path)}", flush=True)
+    return report
+
+
+def _write_checked(source: Any, tokenizer: Any, tmp: Path, ids: Any, options: GGUFOptions, atol: float,
+                   progress: bool) -> dict[str, Any]:
+    """Write the file at ``tmp``, load it back with transformers' reader and measure it against
+    the source; a logits difference over ``atol`` or a lost zero raises (nothing is kept)."""
+    import torch
+
+    from fairprune.hub.gguf_file import load_gguf, rounded_copy, write_gguf
+    from fairprune.metrics.language import perplexity
+
+    written = write_gguf(source, tokenizer, tmp, options.gguf_type, progress)
+    loaded, loaded_tokenizer = load_gguf(tmp)
+    reference = rounded_copy(source, written.rounded)
+    written.rounded.clear()  # the reference holds them now
+    window = ids[: options.eval_seqlen].unsqueeze(0)
+    with torch.no_grad():
+        expected = reference(input_ids=window).logits
+        got = loaded(input_ids=window).logits
+        against_source = (source(input_ids=window).logits - got).abs().max().item()
+    worst = (expected - got).abs().max().item()
+    del reference
+    if not worst <= atol:  # a NaN difference fails too
+        raise UserError(f"the GGUF file read back by transformers differs from the source rounded to {options.gguf_type} "
+                        f"by up to {worst:.3g} in the logits, over --atol {atol:g}; nothing was written")
+    zeros = pruned_zeros(source, loaded)
+    if zeros["kept"] != zeros["source"]:
+        raise UserError(f"{zeros['source'] - zeros['kept']} pruned zeros are not zero in the GGUF file read back; "
+                        "nothing was written")
+    sample = tokenizer.decode(ids[: 4 * options.eval_seqlen])
+    kw = dict(seqlen=options.eval_seqlen, progress=progress)
+    return {"facts": written.facts, "logits_max_abs_difference": worst,
+            "logits_max_abs_difference_to_unrounded": against_source, "pruned_zeros": zeros,
+            "perplexity": {"source": perplexity(source, ids, **kw), "loaded": perplexity(loaded, ids, **kw),
+                           "tokens": len(ids), "window": options.eval_seqlen},
+            "tokenizer_matches": loaded_tokenizer(sample).input_ids == tokenizer(sample).input_ids,
+            "loaded_class": type(loaded).__name__, "bytes": tmp.stat().st_size}
+
+
+def pruned_zeros(source: Any, loaded: Any) -> dict[str, Any]:
+    """The exact zeros of the source's prunable block layers and how many of them are zero in the
+    loaded-back model, at the same places."""
+    from fairprune.hub.compressed import compressed_modules
+
+    zeros = kept = total = 0
+    for name, layer in compressed_modules(source).items():
+        mask = layer.weight == 0
+        back = loaded.get_submodule(name).weight
+        zeros += int(mask.sum())
+        kept += int((back[mask] == 0).sum())
+        total += mask.numel()
+    return {"source": zeros, "kept": kept, "fraction_kept": kept / zeros if zeros else 1.0,
+            "share": zeros / total if total else 0.0}
+
+
+def gguf_report(model: str, path: Path, source: Any, found: dict[str, Any], options: GGUFOptions) -> dict[str, Any]:
+    """``<name>.report.json``: the file, its size against the dense bf16 weights, and the checks."""
+    from fairprune.hub.gguf_file import GGML_TYPES
+
+    seen, params = set(), 0
+    for tensor in source.state_dict().values():  # tied tensors once
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if key not in seen:
+            seen.add(key)
+            params += tensor.numel()
+    dense = 2 * params
+    facts = found["facts"]
+    report = {"format": "gguf", "gguf_type": options.gguf_type, "bits": GGML_TYPES[options.gguf_type][1],
+              "bits_per_weight": 8 * found["bytes"] / params, "model": model, "output": str(path),
+              "model_type": source.config.model_type, **facts, "parameters": params, "bytes": found["bytes"],
+              "dense_bf16_bytes": dense, "ratio": found["bytes"] / dense,
+              "read_back_by": f"transformers AutoModelForCausalLM.from_pretrained(gguf_file=...) as {found['loaded_class']}",
+              "logits_max_abs_difference": found["logits_max_abs_difference"],
+              "logits_max_abs_difference_to_unrounded": found["logits_max_abs_difference_to_unrounded"],
+              "pruned_zeros": found["pruned_zeros"], "perplexity": found["perplexity"],
+              "tokenizer_matches": found["tokenizer_matches"]}
+    window = getattr(source.config, "sliding_window", None)
+    if window and window < source.config.max_position_embeddings:
+        report["note"] = (f"the source attends within a sliding window of {window} tokens; llama.cpp's llama architecture and "
+                          "the model read back attend to the whole context, so they differ past that length")
+    return report

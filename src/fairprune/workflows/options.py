@@ -96,6 +96,36 @@ class LMOptions(CalibrationOptions):
                             f"--save_format {self.save_format} (compressed-tensors has no sparse + quantized layout today)")
 
 
+@dataclass(frozen=True)
+class GGUFOptions:
+    """``prune.py export --format gguf``: the GGUF type and what the written file is measured on.
+
+    Args:
+        gguf_type: f16, q8_0 or q4_0: the ggml type of the 2-D tensors (norms and biases stay F32; with q4_0 the embedding and LM head are Q8_0).
+        eval_text: text the loaded-back model's perplexity is measured on beside the source's (default: the bundled corpus).
+        eval_tokens: measure on the first N tokens of eval_text.
+        eval_seqlen: perplexity window length; the logits check runs on the first window.
+        trust_remote_code: allow a hub model's own code to run.
+    """
+
+    gguf_type: str = "f16"
+    eval_text: str | None = None
+    eval_tokens: int = 2048
+    eval_seqlen: int = 128
+    trust_remote_code: bool = False
+
+    def __post_init__(self) -> None:
+        from fairprune.hub.formats import GGUF_TYPES
+
+        if self.gguf_type not in GGUF_TYPES:
+            raise UserError(f"--gguf_type {self.gguf_type!r} is not one of {', '.join(GGUF_TYPES)}")
+        for name, value in (("eval_seqlen", self.eval_seqlen), ("eval_tokens", self.eval_tokens)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 2:
+                raise UserError(f"--{name} must be a whole number >= 2; got {value}")
+        if self.eval_tokens < self.eval_seqlen:
+            raise UserError(f"--eval_tokens {self.eval_tokens} is less than one --eval_seqlen window of {self.eval_seqlen}")
+
+
 def check_trainer(trainer: dict | None, name: str = "--trainer's max_epochs") -> None:
     """One line for Trainer settings Lightning would take and misread (``max_epochs`` below -1
     trains on and on): checked wherever fairprune builds a Trainer, before any work."""

@@ -1,0 +1,195 @@
+"""``prune.py export --format gguf``: tiny llama / mistral / qwen2 models (half their block weights
+zeroed, as a pruned model's are) written as GGUF and read back by transformers' own GGUF reader and
+by fairprune's ``--model file.gguf``; the logits must equal those of the source with every weight
+rounded by ``gguf.quants`` to the file's type, computed here from the source folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers as tf
+
+from cli_output import last_error
+from fairprune.cli.prune import main
+
+FAMILIES = ("llama", "mistral", "qwen2")
+TYPES = ("f16", "q8_0", "q4_0")
+GGML = {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
+        "q4_0": gguf.GGMLQuantizationType.Q4_0}
+SHORT = ["--eval_tokens", "96", "--eval_seqlen", "32", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A byte-level BPE tokenizer trained on the bundled corpus, and that corpus's validation text."""
+    from fairprune.data.text import lm_corpus, train_bpe_tokenizer
+
+    root = tmp_path_factory.mktemp("corpus")
+    texts = lm_corpus(train_docs=30, validation_docs=4, seed=3)
+    tokenizer = train_bpe_tokenizer(texts.train, 300, root / "tok")
+    (root / "eval.txt").write_text(texts.validation)
+    return tokenizer, root / "eval.txt"
+
+
+def pruned_folder(root: Path, tokenizer, family: str, **config) -> Path:
+    """A tiny ``family`` model, the smaller half of each block weight zeroed, saved with ``tokenizer``."""
+    fields = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=320, max_position_embeddings=128,
+                  bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(family, **{**fields, **config}))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".layers." in name and param.dim() == 2:
+                param[param.abs() < param.abs().median()] = 0
+    folder = root / family
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def rounded_source(folder: Path, gguf_type: str) -> tf.PreTrainedModel:
+    """The source model with every 2-D weight rounded to the file's type by ``gguf.quants`` (with
+    q4_0 the embedding and LM head in Q8_0); norms and biases as they are (F32)."""
+    model = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() < 2:
+                continue
+            qtype = GGML[gguf_type]
+            if gguf_type == "q4_0" and ("embed_tokens" in name or "lm_head" in name):
+                qtype = GGML["q8_0"]
+            data = param.numpy()
+            param.copy_(torch.from_numpy(gguf.quants.dequantize(gguf.quants.quantize(data, qtype), qtype).reshape(data.shape)))
+    return model
+
+
+def export(folder: Path, output: Path, gguf_type: str, eval_text: Path, *extra: str) -> int:
+    return main(["export", "--format", "gguf", "--model", str(folder), "--gguf_type", gguf_type, "--output", str(output),
+                 "--eval_text", str(eval_text), "--threads", "1", *SHORT, *extra])
+
+
+def logits(model, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("gguf_type", TYPES)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_round_trip_through_transformers(tmp_path, corpus, one_thread, family, gguf_type):
+    tokenizer, eval_text = corpus
+    folder = pruned_folder(tmp_path, tokenizer, family)
+    path = tmp_path / "out" / f"{family}.{gguf_type}.gguf"
+    assert export(folder, path, gguf_type, eval_text) == 0
+    loaded = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    # llama.cpp writes Mistral as llama; transformers reads it back as such
+    assert type(loaded).__name__ == ("LlamaForCausalLM" if family == "mistral" else type(rounded_source(folder, "f16")).__name__)
+    ids = tokenizer(eval_text.read_text()[:400], return_tensors="pt").input_ids[:, :48]
+    reference = rounded_source(folder, gguf_type)
+    torch.testing.assert_close(logits(loaded, ids), logits(reference, ids), rtol=0, atol=1e-5)
+    source = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for name, param in source.named_parameters():  # every pruned zero still zero, every type
+        if ".layers." in name and param.dim() == 2:
+            assert (loaded.get_parameter(name)[param == 0] == 0).all(), name
+    back = tf.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    text = eval_text.read_text()[:300]
+    assert back(text).input_ids == tokenizer(text).input_ids
+    report = json.loads((path.parent / f"{family}.{gguf_type}.report.json").read_text())
+    assert report["format"] == "gguf" and report["gguf_type"] == gguf_type
+    assert report["bytes"] == path.stat().st_size and report["logits_max_abs_difference"] <= 1e-5
+    assert report["pruned_zeros"]["fraction_kept"] == 1.0 and report["pruned_zeros"]["share"] > 0.4
+    assert report["ratio"] == pytest.approx(path.stat().st_size / report["dense_bf16_bytes"])
+    assert report["perplexity"]["loaded"] == pytest.approx(report["perplexity"]["source"], rel=0.05 if gguf_type == "q4_0" else 0.01)
+    assert report["tokenizer_matches"] is True
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, f"{family}.{gguf_type}.report.json"])
+
+
+def test_fairprune_reads_it_back(tmp_path, corpus, one_thread):
+    """``--model file.gguf`` (fairprune's loader) gives the model transformers' reader gives, and
+    its tokenizer; the tied embedding stays tied (no output.weight in the file)."""
+    from fairprune.hub import load_model, load_tokenizer
+
+    tokenizer, eval_text = corpus
+    folder = pruned_folder(tmp_path, tokenizer, "llama", tie_word_embeddings=True)
+    path = tmp_path / "llama.q8_0.gguf"
+    assert export(folder, path, "q8_0", eval_text) == 0
+    assert "output.weight" not in [t.name for t in gguf.GGUFReader(str(path)).tensors]
+    ours = load_model(str(path), dtype="float32").eval()
+    assert ours.config.tie_word_embeddings
+    ids = tokenizer(eval_text.read_text()[:400], return_tensors="pt").input_ids[:, :48]
+    torch.testing.assert_close(logits(ours, ids), logits(rounded_source(folder, "q8_0"), ids), rtol=0, atol=1e-5)
+    assert load_tokenizer(str(path))("a b c").input_ids == tokenizer("a b c").input_ids
+
+
+def test_file_metadata_follows_llama_cpp(tmp_path, corpus, one_thread):
+    """The keys llama.cpp's llama loader reads, the q rows permuted as convert_hf_to_gguf permutes them."""
+    from fairprune.hub.gguf_file import permute
+
+    tokenizer, eval_text = corpus
+    folder = pruned_folder(tmp_path, tokenizer, "llama")
+    path = tmp_path / "m.f16.gguf"
+    assert export(folder, path, "f16", eval_text) == 0
+    reader = gguf.GGUFReader(str(path))
+    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    assert field("general.architecture") == "llama" and field("tokenizer.ggml.model") == "gpt2"
+    assert field("llama.attention.head_count_kv") == 2 and field("llama.rope.dimension_count") == 16
+    assert field("tokenizer.ggml.pre") == "gpt-2" and len(field("tokenizer.ggml.tokens")) == 320
+    assert field("tokenizer.ggml.eos_token_id") == tokenizer.eos_token_id
+    assert field("general.file_type") == gguf.LlamaFileType.MOSTLY_F16
+    tensors = {t.name: t for t in reader.tensors}
+    assert tensors["blk.0.attn_norm.weight"].tensor_type == gguf.GGMLQuantizationType.F32
+    source = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    q = source.model.layers[0].self_attn.q_proj.weight.detach().numpy()
+    stored = np.asarray(tensors["blk.0.attn_q.weight"].data, dtype=np.float32).reshape(q.shape)
+    np.testing.assert_array_equal(stored, permute(q, 4, 4).astype(np.float16).astype(np.float32))
+
+
+def test_unsupported_family_is_one_line(tmp_path, corpus, capsys):
+    tokenizer, eval_text = corpus
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=320, n_positions=64))
+    model.save_pretrained(tmp_path / "gpt2")
+    tokenizer.save_pretrained(tmp_path / "gpt2")
+    assert export(tmp_path / "gpt2", tmp_path / "out" / "g.gguf", "f16", eval_text) == 2
+    line = last_error(capsys)
+    assert "'gpt2' cannot be exported" in line and "llama, mistral, qwen2" in line
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_user_mistakes_are_one_line(tmp_path, corpus, capsys):
+    tokenizer, eval_text = corpus
+    assert export(tmp_path / "missing", tmp_path / "x.gguf", "f16", eval_text) == 2
+    assert "does not exist" in last_error(capsys)
+    folder = pruned_folder(tmp_path, tokenizer, "llama")
+    assert export(folder, tmp_path / "x.bin", "f16", eval_text) == 2
+    assert "does not end in .gguf" in last_error(capsys)
+    assert export(folder, tmp_path / "x.gguf", "q5_k", eval_text) == 2
+    assert "--gguf_type 'q5_k'" in last_error(capsys)
+    assert main(["export", "--format", "gguf", "--ckpt", "a.ckpt", "--quiet"]) == 2
+    assert "give --model" in last_error(capsys)
+    assert not list(tmp_path.glob("*.gguf")) and not list(tmp_path.glob("*.json"))
+
+
+def test_failed_check_leaves_nothing(tmp_path, corpus, one_thread, capsys):
+    """A Llama with attention biases: llama.cpp stores them, but transformers' reader builds the
+    model without them, so the read-back logits differ: the command fails in one line, no
+    temporary file or report remains, and a file already at the output is left as it was."""
+    tokenizer, eval_text = corpus
+    folder = pruned_folder(tmp_path, tokenizer, "llama", attention_bias=True)
+    with torch.no_grad():  # biases far from zero, so dropping them shows
+        model = tf.AutoModelForCausalLM.from_pretrained(folder)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.bias.fill_(1.0)
+        model.save_pretrained(folder)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "llama.f16.gguf").write_bytes(b"previous")
+    assert export(folder, out, "f16", eval_text) == 2
+    line = last_error(capsys)
+    assert "differs from the source" in line and "nothing was written" in line
+    assert [p.name for p in out.iterdir()] == ["llama.f16.gguf"]
+    assert (out / "llama.f16.gguf").read_bytes() == b"previous"
