@@ -31,7 +31,7 @@ from fairprune.callbacks.report import ReportWriter
 from fairprune.callbacks.saving import atomic_checkpoints
 from fairprune.callbacks.signals import CheckpointOnStop, stop_in, stops_reported
 from fairprune.errors import UserError
-from fairprune.metrics.group.bootstrap import bootstrap
+from fairprune.metrics.bootstrap import bootstrap
 from fairprune.models.deploy import deploy_report, input_shape_of, slower_than_dense
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.plots import plot_error_rate_changes, plot_group_shares

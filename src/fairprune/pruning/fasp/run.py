@@ -18,8 +18,8 @@ from torch import nn
 from fairprune import distributed
 from fairprune.data.prompts import check_prompts, holistic_prompts, split_prompts
 from fairprune.errors import UserError, suggest
+from fairprune.metrics.bootstrap import bias_intervals, bias_paired, lm_intervals, lm_paired
 from fairprune.metrics.language import LMItems, eval_ids
-from fairprune.metrics.lm_bootstrap import bias_intervals, bias_paired, lm_intervals, lm_paired
 from fairprune.metrics.toxicity import ToxicityScorer, make_scorer, scorer_name
 from fairprune.pruning import registry
 from fairprune.pruning.fasp.scoring import Evaluator, Generation, head_bias_by_axis, head_bias_impact, score_heads, token_ids
