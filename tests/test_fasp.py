@@ -475,6 +475,7 @@ def test_run_fasp_prunes_saves_and_reports(tokenizer, corpus, tmp_path):
     assert not (tmp_path / "config.json").exists()  # the method writes only its scoring journal
     write_head_run(tmp_path, model, tokenizer, run, {"method": "fasp"})
     assert json.loads((tmp_path / "report.json").read_text())["heads_removed"] == report["heads_removed"]
+    assert "attention-head-pruning" in (tmp_path / "README.md").read_text()  # the head run's card
     assert len(report["heads_removed"]) == 2 and len(report["protected"]) == 2
     assert not set(map(tuple, report["heads_removed"])) & set(map(tuple, report["protected"]))
     assert set(report["fairness"]["bias"]) == {"gender_and_sex", "religion"}

@@ -20,8 +20,9 @@ import yaml
 
 from fairprune.errors import UserError
 from fairprune.hub.checks import nonfinite
+from fairprune.reporting.card_lm import HeadCard, LMCard
 from fairprune.reporting.environment import environment
-from fairprune.reporting.model_card import write_model_card
+from fairprune.reporting.model_card import Card, write_model_card
 from fairprune.reporting.plots import plot_axis_correlation, plot_head_heatmap
 from fairprune.reporting.report import write_json
 from fairprune.storage.atomic import write_csv, write_text
@@ -54,10 +55,11 @@ def check_result(model, output: str | os.PathLike, method: str | None = None) ->
 def write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any], config: dict[str, Any],
                layers: dict[str, float] | None = None, extra: Callable[[Path], Any] | None = None,
                keep: tuple[str, ...] = (), save_format: str | None = None, nm: tuple[int, int] | None = None,
-               items: tuple[Any, Any] = (None, None)) -> Path:
+               items: tuple[Any, Any] = (None, None), card: type[Card] = LMCard) -> Path:
     """Write the run into a staging folder beside ``output`` and swap it in whole (``keep``: files
     of ``output`` that stay); ``extra(folder)`` writes more files first. ``save_format`` (dense or
-    compressed) adds the report's ``weights`` block; None: ``save_pretrained`` alone."""
+    compressed) adds the report's ``weights`` block; None: ``save_pretrained`` alone. ``card``: the
+    model card's writer (a head-pruning run's: :class:`~fairprune.reporting.card_lm.HeadCard`)."""
     check_result(model, output, report.get("method"))
     report.setdefault("threads", torch.get_num_threads())
 
@@ -71,13 +73,13 @@ def write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any
 
             report["weights"] = save_weights(model, out, save_format, nm)
         tokenizer.save_pretrained(out)
-        write_run_files(out, report, config, layers, *items)
+        write_run_files(out, report, config, layers, *items, card=card)
 
     return replace_folder(output, write, keep=keep, owned=RUN_FILES)
 
 
 def write_run_files(out: Path, report: dict[str, Any], config: dict[str, Any], layers: dict[str, float] | None = None,
-                    items: Any = None, task_items: Any = None) -> None:
+                    items: Any = None, task_items: Any = None, card: type[Card] = LMCard) -> None:
     """What every LM run writes beside its model, into its staging folder ``out``: the per-item
     outcomes (``eval_items.npz``, ``task_items.json``, when given), ``sparsity.csv`` (when
     given), ``config.yaml``, the model card (``README.md``) and, last, ``report.json``."""
@@ -91,7 +93,7 @@ def write_run_files(out: Path, report: dict[str, Any], config: dict[str, Any], l
                   index=False)
     write_text(out / "config.yaml", yaml.safe_dump(config, sort_keys=False))
     report["environment"] = environment()
-    write_model_card(out, report, config)  # README.md: the Hub's model card, the run's figures in it
+    write_model_card(out, report, config, card=card)  # README.md: the Hub's model card, the run's figures in it
     write_json(out / "report.json", report)
 
 
@@ -109,4 +111,4 @@ def write_head_run(output: str | os.PathLike, model, tokenizer, result: Any, con
         if result.bias_by_axis is not None:
             plot_axis_correlation(result.bias_by_axis, out / "axis_correlation.png")
 
-    return write_run(output, model, tokenizer, result.report, config, extra=plots, keep=JOURNAL)
+    return write_run(output, model, tokenizer, result.report, config, extra=plots, keep=JOURNAL, card=HeadCard)
