@@ -11,7 +11,6 @@ model that is not finite is never saved.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,19 +52,18 @@ def check_result(model, output: str | os.PathLike, method: str | None = None) ->
 
 
 def write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any], config: dict[str, Any],
-               layers: dict[str, float] | None = None, extra: Callable[[Path], Any] | None = None,
-               keep: tuple[str, ...] = (), save_format: str | None = None, nm: tuple[int, int] | None = None,
-               items: tuple[Any, Any] = (None, None), card: type[Card] = LMCard) -> Path:
-    """Write the run into a staging folder beside ``output`` and swap it in whole (``keep``: files
-    of ``output`` that stay); ``extra(folder)`` writes more files first. ``save_format`` (dense or
-    compressed) adds the report's ``weights`` block; None: ``save_pretrained`` alone. ``card``: the
-    model card's writer (a head-pruning run's: :class:`~fairprune.reporting.card_lm.HeadCard`)."""
+              layers: dict[str, float] | None = None, save_format: str | None = None, nm: tuple[int, int] | None = None,
+              items: tuple[Any, Any] = (None, None), heads: Any = None) -> Path:
+    """Write the run into a staging folder beside ``output`` and swap it in whole. ``save_format``
+    (dense or compressed) adds the report's ``weights`` block; None: ``save_pretrained`` alone.
+    ``heads``: a head-pruning run's result (a ``FaspResult``): its plots are written, its scoring
+    journal stays in the folder and the card is a head run's."""
     check_result(model, output, report.get("method"))
     report.setdefault("threads", torch.get_num_threads())
 
     def write(out: Path) -> None:
-        if extra is not None:
-            extra(out)
+        if heads is not None:
+            _head_plots(out, heads)
         if save_format is None:
             model.save_pretrained(out)
         else:  # the bytes are measured in the staged folder, before the report is written
@@ -73,9 +71,9 @@ def write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any
 
             report["weights"] = save_weights(model, out, save_format, nm)
         tokenizer.save_pretrained(out)
-        write_run_files(out, report, config, layers, *items, card=card)
+        write_run_files(out, report, config, layers, *items, card=LMCard if heads is None else HeadCard)
 
-    return replace_folder(output, write, keep=keep, owned=RUN_FILES)
+    return replace_folder(output, write, keep=() if heads is None else JOURNAL, owned=RUN_FILES)
 
 
 def write_run_files(out: Path, report: dict[str, Any], config: dict[str, Any], layers: dict[str, float] | None = None,
@@ -99,16 +97,15 @@ def write_run_files(out: Path, report: dict[str, Any], config: dict[str, Any], l
 
 def write_head_run(output: str | os.PathLike, model, tokenizer, result: Any, config: dict[str, Any],
                    task_items: Any = None) -> Path:
-    """A head-pruning run's folder: the plots of ``result`` (a ``FaspResult``: ``impact``, ``axes``,
-    ``protected``, ``removed``, ``bias_by_axis``), ``task_items.json`` when ``--tasks`` ran, then the
-    model and its report; the scoring journal (``head_scores.csv``) stays in the folder."""
+    """A head-pruning run's folder: the plots of ``result`` (a ``FaspResult``), ``task_items.json``
+    when ``--tasks`` ran, then the model and its report; the scoring journal (``head_scores.csv``)
+    stays in the folder."""
+    return write_run(output, model, tokenizer, result.report, config, items=(None, task_items), heads=result)
 
-    def plots(out: Path) -> None:
-        if task_items is not None:
-            task_items.save(out)
-        if result.impact is not None:
-            plot_head_heatmap(result.impact, result.axes, result.protected, result.removed, out / "heads_heatmap.png")
-        if result.bias_by_axis is not None:
-            plot_axis_correlation(result.bias_by_axis, out / "axis_correlation.png")
 
-    return write_run(output, model, tokenizer, result.report, config, extra=plots, keep=JOURNAL, card=HeadCard)
+def _head_plots(out: Path, result: Any) -> None:
+    """The plots of a ``FaspResult``: ``impact``, ``axes``, ``protected``, ``removed``, ``bias_by_axis``."""
+    if result.impact is not None:
+        plot_head_heatmap(result.impact, result.axes, result.protected, result.removed, out / "heads_heatmap.png")
+    if result.bias_by_axis is not None:
+        plot_axis_correlation(result.bias_by_axis, out / "axis_correlation.png")

@@ -101,19 +101,20 @@ def prune_vision(
     """
     check_reference(reference)
     check_trainer(trainer)
-    callback = IterativePruning(**pruning)  # its settings checked before the checkpoint is read
-    report, _ = _prune(open_trained(ckpt), pruning, callback, output, name, trainer, data, resume, seed, reference, deploy)
+    cell = pruning, IterativePruning(**pruning)  # its settings checked before the checkpoint is read
+    report, _ = _prune(open_trained(ckpt), cell, output, name, trainer, data, resume, seed, reference, deploy)
     print(f"[prune] {report.get('method')}: accuracy {report.get('metrics', {}).get('accuracy', float('nan')):.4f}, "
           f"sparsity {report.get('achieved_sparsity', float('nan')):.4f}")
     return report
 
 
-def _prune(trained: Trained, pruning: dict[str, Any], callback: IterativePruning, output: str, name: str | None,
+def _prune(trained: Trained, cell: tuple[dict[str, Any], IterativePruning], output: str, name: str | None,
            trainer: TrainerOptions | None, data: DataOptions | None, resume: str | None = None,
            seed: int = 0, reference: str = "continued", deploy: bool = True) -> tuple[dict[str, Any], IterativePruning]:
     """The run behind :func:`prune_vision`: its report and the pruning callback (FairGRAPE's shares).
     ``trained``: the dense checkpoint, read once; the model, the reference and the deploy figures'
-    dense network are built from it."""
+    dense network are built from it. ``cell``: the pruning settings and the callback built from them."""
+    pruning, callback = cell
     L.seed_everything(seed, workers=True, verbose=False)
     name = name or callback.method
     run = Path(output) / name
@@ -387,7 +388,7 @@ def compare_vision(
                 else:
                     print(f"{label}{f': resuming from {resume}' if resume else ''} ...", flush=True)
                     try:
-                        report, _ = _prune(source, settings, callback, str(base), name, trainer, data, resume=resume,
+                        report, _ = _prune(source, (settings, callback), str(base), name, trainer, data, resume=resume,
                                            seed=s, reference=reference, deploy=deploy)
                     except BaseException as err:
                         # Run again, compare reuses the finished cells and resumes this one from its last.ckpt.
