@@ -43,7 +43,7 @@ def test_the_kernel_variables_that_are_set_are_recorded(monkeypatch):
     kernels = environment()["hardware"]["cpu_kernels"]
     assert kernels["MKL_CBWR"] == "AVX2" and "DNNL_MAX_CPU_ISA" not in kernels
     card = model_card({"method": "dense", "model": "mobilenet_v2", "metrics": {"accuracy": 0.9},
-                       "environment": environment()})
+                       "environment": environment()}, card=ClassifierCard)
     assert "MKL_CBWR=AVX2" in card[card.index("## Environment"):]
 
 
