@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from fairprune.metrics.group.bootstrap import bootstrap
+from fairprune.metrics.bootstrap import bootstrap
 
 GROUPS = {"a": (120, 0.9), "b": (40, 0.7), "c": (25, 0.6)}  # test items, accuracy
 REFERENCE = {"a": 0.92, "b": 0.8, "c": 0.75}
@@ -86,7 +86,7 @@ def items(groups: dict[str, tuple[int, float]], seed: int) -> tuple[np.ndarray, 
 
 
 def test_paired_difference_matches_the_plain_loop_and_is_narrower():
-    from fairprune.metrics.group.bootstrap import paired_difference
+    from fairprune.metrics.bootstrap import paired_difference
 
     a = items(GROUPS, 0)
     # b: a with 6 % of the answers flipped, so the two runs share most of their items' difficulty.

@@ -10,6 +10,7 @@ from importlib import metadata
 import lightning
 import torch
 
+from fairprune.reporting.card_classifier import ClassifierCard
 from fairprune.reporting.environment import LIBRARIES, environment
 from fairprune.reporting.model_card import model_card
 
@@ -42,7 +43,7 @@ def test_the_kernel_variables_that_are_set_are_recorded(monkeypatch):
     kernels = environment()["hardware"]["cpu_kernels"]
     assert kernels["MKL_CBWR"] == "AVX2" and "DNNL_MAX_CPU_ISA" not in kernels
     card = model_card({"method": "dense", "model": "mobilenet_v2", "metrics": {"accuracy": 0.9},
-                       "environment": environment()})
+                       "environment": environment()}, card=ClassifierCard)
     assert "MKL_CBWR=AVX2" in card[card.index("## Environment"):]
 
 
@@ -56,8 +57,8 @@ def test_gpus_are_named_when_torch_sees_them(monkeypatch):
 def test_the_model_card_shows_the_environment():
     report = {"method": "dense", "model": "mobilenet_v2", "metrics": {"accuracy": 0.9}, "environment": environment()}
     report["environment"]["hardware"].update(gpus=["GPU|0"], cpu="Some CPU")
-    card = model_card(report)
+    card = model_card(report, card=ClassifierCard)
     section = card[card.index("## Environment"):card.index("## How to load")]
     assert f"torch {torch.__version__}" in section and f"lightning {lightning.__version__}" in section
     assert "Some CPU" in section and "GPU&#124;0" in section  # a name with a table bar stays text
-    assert "## Environment" not in model_card({"method": "dense", "metrics": {"accuracy": 0.9}})
+    assert "## Environment" not in model_card({"method": "dense", "metrics": {"accuracy": 0.9}}, card=ClassifierCard)

@@ -18,6 +18,7 @@ from fairprune.errors import UserError
 from fairprune.metrics.toxicity import ClassifierScorer, LexiconScorer, axis_bias, bias_by_axis, make_scorer
 from fairprune.pruning.fasp import (
     Evaluator,
+    FaspSettings,
     Generation,
     generate_continuations,
     gradient_importance,
@@ -29,9 +30,12 @@ from fairprune.pruning.fasp import (
     token_ids,
 )
 from fairprune.pruning.heads import HeadGates, head_weight_norms
+from fairprune.pruning.options import CalibrationOptions, HeadOptions
 from fairprune.reporting.runs import write_head_run
 
 GEN = Generation(max_new_tokens=4, batch_size=64)
+#: A small run_fasp: short windows and continuations, no progress bars.
+SMALL = dict(calibration=CalibrationOptions(seqlen=32), settings=FaspSettings(generation=GEN, progress=False))
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -354,8 +358,8 @@ def test_batched_gamma_search_measures_what_one_trial_at_a_time_does(tokenizer, 
 
 def test_max_batch_must_be_positive(tokenizer, corpus, tmp_path):
     with pytest.raises(UserError, match="max_batch"):
-        run_fasp(tiny_gpt2(tokenizer), tokenizer, small_prompts(), corpus.validation, scorer=LetterShare(),
-                 output_dir=tmp_path, generation=GEN, seqlen=32, progress=False, max_batch=0)
+        run_fasp(tiny_gpt2(tokenizer), tokenizer, small_prompts(), corpus.validation, heads=HeadOptions(max_batch=0),
+                 output_dir=tmp_path, scorer=LetterShare(), **SMALL)
 
 
 # --------------------------------------------------------------------------------------------
@@ -468,13 +472,15 @@ def test_gamma_search_follows_the_papers_rule(tokenizer, corpus):
 
 def test_run_fasp_prunes_saves_and_reports(tokenizer, corpus, tmp_path):
     model = tiny_gpt2(tokenizer)
-    run = run_fasp(model, tokenizer, small_prompts(), corpus.validation, method="fasp", gamma=0.25, alpha=0.25,
-                   axis="all", scorer=LetterShare(), output_dir=tmp_path, generation=GEN, seqlen=32,
-                   ppl_batch_size=16, progress=False)
+    run = run_fasp(model, tokenizer, small_prompts(), corpus.validation, method="fasp",
+                   heads=HeadOptions(gamma=0.25, alpha=0.25, axis="all"), output_dir=tmp_path, scorer=LetterShare(),
+                   calibration=CalibrationOptions(seqlen=32),
+                   settings=FaspSettings(generation=GEN, ppl_batch_size=16, progress=False))
     report = run.report
     assert not (tmp_path / "config.json").exists()  # the method writes only its scoring journal
     write_head_run(tmp_path, model, tokenizer, run, {"method": "fasp"})
     assert json.loads((tmp_path / "report.json").read_text())["heads_removed"] == report["heads_removed"]
+    assert "attention-head-pruning" in (tmp_path / "README.md").read_text()  # the head run's card
     assert len(report["heads_removed"]) == 2 and len(report["protected"]) == 2
     assert not set(map(tuple, report["heads_removed"])) & set(map(tuple, report["protected"]))
     assert set(report["fairness"]["bias"]) == {"gender_and_sex", "religion"}
@@ -493,16 +499,16 @@ def test_run_fasp_prunes_saves_and_reports(tokenizer, corpus, tmp_path):
 
 def test_run_fasp_checks_ratios_before_scoring(tokenizer, corpus, tmp_path):
     with pytest.raises(UserError, match="unprotected"):
-        run_fasp(tiny_gpt2(tokenizer), tokenizer, small_prompts(), corpus.validation, gamma=0.9, alpha=0.5,
-                 scorer=LetterShare(), output_dir=tmp_path, generation=GEN, seqlen=32, progress=False)
+        run_fasp(tiny_gpt2(tokenizer), tokenizer, small_prompts(), corpus.validation, heads=HeadOptions(gamma=0.9, alpha=0.5),
+                 scorer=LetterShare(), output_dir=tmp_path, **SMALL)
     assert not (tmp_path / "head_scores.csv").exists()
     with pytest.raises(UserError, match="did you mean"):
-        run_fasp(tiny_gpt2(tokenizer), tokenizer, small_prompts(), corpus.validation, axis="religon",
-                 scorer=LetterShare(), output_dir=tmp_path, generation=GEN, seqlen=32, progress=False)
+        run_fasp(tiny_gpt2(tokenizer), tokenizer, small_prompts(), corpus.validation, heads=HeadOptions(axis="religon"),
+                 scorer=LetterShare(), output_dir=tmp_path, **SMALL)
 
 
 def test_run_fasp_baselines_need_no_head_scores(tokenizer, corpus, tmp_path):
-    run = run_fasp(tiny_gpt2(tokenizer), tokenizer, small_prompts(), corpus.validation, method="magnitude", alpha=0.25,
-                   scorer=LetterShare(), output_dir=tmp_path, generation=GEN, seqlen=32, progress=False)
+    run = run_fasp(tiny_gpt2(tokenizer), tokenizer, small_prompts(), corpus.validation, method="magnitude",
+                   heads=HeadOptions(alpha=0.25), scorer=LetterShare(), output_dir=tmp_path, **SMALL)
     assert len(run.report["heads_removed"]) == 2 and run.report["protected"] == []
     assert not (tmp_path / "head_scores.csv").exists() and run.impact is None and run.bias_by_axis is None

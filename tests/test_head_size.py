@@ -159,7 +159,8 @@ def test_fasp_report_carries_the_size_and_the_scorer(tmp_path, capsys):
     from fairprune.data.prompts import holistic_prompts
     from fairprune.data.text import lm_corpus, train_bpe_tokenizer
     from fairprune.metrics import jigsaw
-    from fairprune.pruning.fasp import Generation, run_fasp
+    from fairprune.pruning.fasp import FaspSettings, Generation, run_fasp
+    from fairprune.pruning.options import CalibrationOptions, HeadOptions
 
     corpus = lm_corpus(train_docs=40, validation_docs=8)
     tokenizer = train_bpe_tokenizer(corpus.train, 300)
@@ -170,8 +171,10 @@ def test_fasp_report_carries_the_size_and_the_scorer(tmp_path, capsys):
     dense = sum(p.numel() for p in model.parameters())
     prompts = holistic_prompts(["gender_and_sex"]).groupby("bucket").head(5)
     scorer = "jigsaw" if jigsaw.available() else "lexicon"
-    run = run_fasp(model, tokenizer, prompts, corpus.validation, method="random", alpha=0.25, scorer=scorer,
-                   output_dir=tmp_path, generation=Generation(max_new_tokens=2), seqlen=32, progress=False)
+    run = run_fasp(model, tokenizer, prompts, corpus.validation, method="random",
+                   heads=HeadOptions(alpha=0.25, scorer=scorer), output_dir=tmp_path,
+                   calibration=CalibrationOptions(seqlen=32),
+                   settings=FaspSettings(generation=Generation(max_new_tokens=2), progress=False))
     report = json.loads(json.dumps(run.report))  # what report.json holds
     assert report["scorer"] == ("jigsaw:toxic" if scorer == "jigsaw" else "lexicon")
     size = report["size"]

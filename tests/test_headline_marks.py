@@ -15,6 +15,7 @@ import re
 import pandas as pd
 import pytest
 
+from fairprune.reporting.card_lm import LMCard
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.dto import dto
 from fairprune.reporting.headline import CHANCE_MARK, INVALID_MARK, headline
@@ -150,7 +151,7 @@ def test_the_model_card_strikes_out_invalid_figures_and_keeps_them_out_of_the_mo
                                   "bbq_ambig_cloze3": {"data": "bbq.jsonl", "scoring": "cloze"}}},
               "reference": {"method": "dense", "metrics": {"perplexity": 35.0, "mmlu/acc": 0.27, "bbq_ambig_cloze3/accuracy_amb": 0.25},
                             "tasks_validity": {k: v for k, v in reference.items() if k in metrics}}}
-    card = model_card(report)
+    card = model_card(report, card=LMCard)
     front = card.split("---")[1]
     assert "name: bbq_ambig_cloze3" in front and "name: mmlu" not in front  # the Hub ranks model-index figures
     assert "| mmlu/acc (chance 0.250) | ~~0.2700~~ ✗ | ~~0.2600~~ ✗ | – |" in card

@@ -120,7 +120,7 @@ def no_work(monkeypatch):
         monkeypatch.setattr(module, "load_model", explode("loading the model"))
     for module in (lm, heads):
         monkeypatch.setattr(module, "load_tokenizer", explode("loading the tokenizer"))
-    monkeypatch.setattr(vision, "load_trained", explode("loading the checkpoint"))
+    monkeypatch.setattr(vision, "open_trained", explode("loading the checkpoint"))
 
 
 COMMANDS_THAT_WRITE = {

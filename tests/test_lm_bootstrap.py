@@ -10,8 +10,8 @@ import random
 import numpy as np
 import pytest
 
+from fairprune.metrics.bootstrap import lm_intervals, lm_paired
 from fairprune.metrics.language import LMItems
-from fairprune.metrics.lm_bootstrap import lm_intervals, lm_paired
 
 
 def make_items(windows: int = 40, pairs: int = 300, p_win: float = 0.6, anti_share: float = 0.2, seed: int = 0,
@@ -139,7 +139,7 @@ def plain_bias_interval(tox: list[float], groups: list[str], resamples: int, see
 
 
 def test_bias_intervals_match_a_plain_loop():
-    from fairprune.metrics.lm_bootstrap import bias_intervals
+    from fairprune.metrics.bootstrap import bias_intervals
     from fairprune.metrics.toxicity import axis_bias
 
     axes, groups, tox = make_prompts()
@@ -159,7 +159,7 @@ def test_bias_intervals_match_a_plain_loop():
 
 
 def test_bias_paired_uses_the_same_draws():
-    from fairprune.metrics.lm_bootstrap import bias_intervals, bias_paired
+    from fairprune.metrics.bootstrap import bias_intervals, bias_paired
     from fairprune.metrics.toxicity import axis_bias
 
     axes, groups, tox = make_prompts()

@@ -12,6 +12,8 @@ import torch
 from huggingface_hub import ModelCard
 
 from fairprune.cli.prune import main as prune_main
+from fairprune.reporting.card_classifier import ClassifierCard
+from fairprune.reporting.card_lm import HeadCard, LMCard
 from fairprune.reporting.model_card import CARD, model_card, write_model_card
 from tiny_models import tiny_gpt2_folder
 
@@ -74,7 +76,7 @@ def _table(text: str, first_header: str) -> list[str]:
 
 
 def test_a_vision_card_has_the_hub_front_matter_and_every_group():
-    card = ModelCard(model_card(VISION, VISION_CONFIG, checkpoint="checkpoints/last.ckpt",
+    card = ModelCard(model_card(VISION, VISION_CONFIG, card=ClassifierCard, checkpoint="checkpoints/last.ckpt",
                                 model_class="fairprune.models.vision.VisionClassifier"))
     data = card.data.to_dict()
     assert data["library_name"] and {"fairprune", "pruned", "fairgrape"} <= set(data["tags"])
@@ -99,18 +101,18 @@ def test_a_vision_card_has_the_hub_front_matter_and_every_group():
 
 
 def test_a_group_name_with_table_characters_keeps_the_table_whole():
-    text = ModelCard(model_card(VISION, VISION_CONFIG)).text
+    text = ModelCard(model_card(VISION, VISION_CONFIG, card=ClassifierCard)).text
     rows = _table(text, "group")
     assert len({row.count("|") for row in rows}) == 1, "\n".join(rows)  # no bar inside a cell: one column count
     assert ODD not in text and "<c>" not in text  # never raw HTML, never an extra column
     assert any(row.startswith("| a&#124;b&lt;c&gt; |") for row in rows)
     assert len(rows) == 2 + len(VISION["groups"])  # a newline in a name would have added a row
-    text = ModelCard(model_card({**VISION, "method": "mag\nnitude|x"}, VISION_CONFIG)).text
+    text = ModelCard(model_card({**VISION, "method": "mag\nnitude|x"}, VISION_CONFIG, card=ClassifierCard)).text
     assert all(len({row.count("|") for row in _table(text, h)}) == 1 for h in ("group", "figure", "setting"))
 
 
 def test_an_lm_card_has_perplexity_stereotype_score_and_the_before_after_table():
-    card = ModelCard(model_card(LM, LM_CONFIG))
+    card = ModelCard(model_card(LM, LM_CONFIG, card=LMCard))
     data = card.data.to_dict()
     assert data["library_name"] == "transformers" and data["base_model"] == "HuggingFaceTB/SmolLM2-135M"
     assert {"fairprune", "pruned", "wanda"} <= set(data["tags"])
@@ -126,7 +128,7 @@ def test_an_lm_card_has_perplexity_stereotype_score_and_the_before_after_table()
 
 
 def test_a_heads_card_has_perplexity_and_bias_per_axis():
-    card = ModelCard(model_card(HEADS, {"method": "fasp", "model": "gpt2", "prompts": None, "alpha": 0.2}))
+    card = ModelCard(model_card(HEADS, {"method": "fasp", "model": "gpt2", "prompts": None, "alpha": 0.2}, card=HeadCard))
     metrics = _metrics(card)
     assert metrics["perplexity"] == 31.25
     assert metrics["bias/gender_and_sex"] == 0.0123 and metrics["bias/race_ethnicity"] == 0.0456
@@ -141,7 +143,7 @@ def test_intervals_are_shown_where_the_report_has_them():
     report["metrics"]["accuracy_ci95"] = [0.75, 0.86]
     report["groups"]["White"]["accuracy_ci"] = {"low": 0.8, "high": 0.93}
     report["fairness"]["acc_gap"] = {"value": 0.3036, "ci95": [0.2, 0.4]}
-    card = ModelCard(model_card(report, VISION_CONFIG))
+    card = ModelCard(model_card(report, VISION_CONFIG, card=ClassifierCard))
     assert "0.8125 (95 % CI 0.7500–0.8600)" in card.text
     assert "0.8750 (CI 0.8000–0.9300)" in card.text
     assert "0.3036 (95 % CI 0.2000–0.4000)" in card.text
@@ -155,7 +157,7 @@ def test_the_reports_interval_section_warnings_and_a_compute_matched_reference_a
     report["warnings"] = [f"group {ODD} has 7 test items"]
     report["reference"].update(method="continued", epochs=3)
     report["dense"] = {"method": "dense", "metrics": {"accuracy": 0.9}, "fairness": {"acc_gap": 0.15}}
-    text = ModelCard(model_card(report, VISION_CONFIG)).text
+    text = ModelCard(model_card(report, VISION_CONFIG, card=ClassifierCard)).text
     accuracy = next(row for row in _table(text, "figure") if row.startswith("| accuracy |"))
     assert accuracy == "| accuracy | 0.8750 | 0.9000 | 0.8125 (90 % CI 0.7000–0.8500) |"  # reference, dense, this model
     assert _table(text, "figure")[0] == "| figure | reference (continued) | dense | this model |"
@@ -164,10 +166,11 @@ def test_the_reports_interval_section_warnings_and_a_compute_matched_reference_a
     assert "group a&#124;b&lt;c&gt; has 7 test items" in text
 
 
-@pytest.mark.parametrize("report", [{}, {"method": "x", "metrics": {"accuracy": None}, "groups": {"g": {}}},
-                                    {"metrics": {"perplexity": float("nan")}, "reference": None, "groups": []}])
-def test_a_report_missing_fields_still_gives_a_card(report, tmp_path):
-    path = write_model_card(tmp_path, report)
+@pytest.mark.parametrize("report, card", [({}, ClassifierCard), ({}, HeadCard),
+                                          ({"method": "x", "metrics": {"accuracy": None}, "groups": {"g": {}}}, ClassifierCard),
+                                          ({"metrics": {"perplexity": float("nan")}, "reference": None, "groups": []}, LMCard)])
+def test_a_report_missing_fields_still_gives_a_card(report, card, tmp_path):
+    path = write_model_card(tmp_path, report, card=card)
     assert path == tmp_path / CARD
     ModelCard(path.read_text())  # parses
 
@@ -177,7 +180,7 @@ def test_figures_still_in_memory_form_are_written_as_plain_numbers():
 
     report = {"method": "magnitude", "metrics": {"accuracy": np.float64(0.625)}, "fairness": {"acc_gap": torch.tensor(0.25)},
               "groups": {"g": {"count": np.int64(8), "accuracy": torch.tensor(0.5)}, "h": None}}
-    metrics = _metrics(ModelCard(model_card(report)))
+    metrics = _metrics(ModelCard(model_card(report, card=ClassifierCard)))
     assert metrics == {"accuracy": 0.625, "accuracy_gap": 0.25, "accuracy/g": 0.5}
 
 

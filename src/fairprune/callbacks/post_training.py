@@ -126,17 +126,15 @@ class PostTrainingPruning(L.Callback):
 
     def _prune_heads(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from fairprune.data.prompts import read_prompts
-        from fairprune.pruning.fasp import Generation, run_fasp
+        from fairprune.pruning.fasp import FaspSettings, run_fasp
 
         _, val_text = trainer.datamodule.texts()
         out = run_dir(trainer) / f"pruned-{self.method}"
         model = self._checked_copy(trainer, pl_module, out)
         c, h = self.calibration, self.heads
         result = run_fasp(model, pl_module.tokenizer, read_prompts(h.prompts) if h.prompts else None, val_text,
-                          self.method, h.gamma, h.alpha, h.axis, h.scorer, out,
-                          generation=Generation(max_new_tokens=h.max_new_tokens, seed=c.seed), seqlen=c.seqlen,
-                          seed=c.seed, max_batch=h.max_batch, eval_tokens=c.eval_tokens,
-                          progress=trainer.progress_bar_callback is not None)
+                          self.method, h, out, calibration=c,
+                          settings=FaspSettings(progress=trainer.progress_bar_callback is not None))
         result.report = self.report = {**result.report, "model": str(run_dir(trainer) / "model")}
         write_head_run(out, model, pl_module.tokenizer, result, self._config())
         print(f"[{self.method}] removed {len(self.report['heads_removed'])} heads; written to {out}")

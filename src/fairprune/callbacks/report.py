@@ -15,6 +15,8 @@ import yaml
 
 from fairprune.callbacks.history import continue_metrics
 from fairprune.pruning.masks import achieved_sparsity, prunable_targets, sparsity_table
+from fairprune.reporting.card_classifier import ClassifierCard
+from fairprune.reporting.card_lm import LMCard
 from fairprune.reporting.environment import environment
 from fairprune.reporting.model_card import write_model_card
 from fairprune.reporting.report import Report, group_table, markdown, write_json
@@ -38,7 +40,8 @@ def run_dir(trainer: L.Trainer) -> Path:
 
 
 def _write_card(trainer: L.Trainer, pl_module: L.LightningModule, out: Path, report: Report) -> None:
-    """The run folder's model card: the checkpoint this run saved (or the one it was given), the
+    """The run folder's model card, by the writer of the module's kind (a causal LM's, or a
+    classifier's): the checkpoint this run saved (or the one it was given), the
     model class that loads it, and the settings in the folder's ``config.yaml`` (a pruning run's, or
     the CLI's) when it has one."""
     saver = trainer.checkpoint_callback
@@ -48,7 +51,10 @@ def _write_card(trainer: L.Trainer, pl_module: L.LightningModule, out: Path, rep
         config = yaml.safe_load((out / "config.yaml").read_text())
     except (OSError, yaml.YAMLError):
         config = None
-    write_model_card(out, report, config, checkpoint=checkpoint,
+    from fairprune.models.language import CausalLM  # here: a classifier's run never loads the LM stack
+
+    card = LMCard if isinstance(pl_module, CausalLM) else ClassifierCard
+    write_model_card(out, report, config, card=card, checkpoint=checkpoint,
                      model_class=f"{type(pl_module).__module__}.{type(pl_module).__qualname__}")
 
 

@@ -97,7 +97,7 @@ def window_losses(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per window, in order: the summed NLL of its predicted tokens and their number (float64
     [windows] each); :func:`perplexity` of the whole text is :func:`perplexity_of` them, and its
-    interval over windows resamples them (:mod:`fairprune.metrics.lm_bootstrap`). Arguments as
+    interval over windows resamples them (:mod:`fairprune.metrics.bootstrap`). Arguments as
     :func:`perplexity`; collective under ``torch.distributed`` like it."""
     if batch_size < 1:
         raise UserError(f"perplexity batch size must be at least 1, got {batch_size}")

@@ -12,16 +12,18 @@ import json
 import math
 import os
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
 
+from fairprune.metrics.bootstrap import LEVEL, RESAMPLES, draws, interval, paired
+
 # DTO reads comparison rows (fairprune.reporting.dto); re-exported beside the figures it reads.
 from fairprune.reporting.dto import ABSTENTION, KNOWLEDGE, choose, dto, valid  # noqa: F401
 
 BBQ_PARTS = ("acc", "biased", "non_unknown", "disambiguated")
-LEVEL, RESAMPLES = 0.95, 2000
 #: The figures of each task that the comparison table shows (all of them stay in ``report.json``).
 HEADLINE: dict[str, tuple[str, ...]] = {
     "hellaswag": ("acc_norm",),
@@ -215,18 +217,6 @@ def task_figures(items: TaskItems) -> dict[str, dict[str, float]]:
     return out
 
 
-def _draws(n: int, resamples: int, seed: int) -> np.ndarray:
-    from fairprune.metrics.lm_bootstrap import _draws as draws
-
-    return draws(np.random.default_rng(seed), n, resamples)
-
-
-def _interval(values: np.ndarray, level: float) -> list[float] | None:
-    from fairprune.metrics.lm_bootstrap import _interval as interval
-
-    return interval(values, level)
-
-
 def task_intervals(items: TaskItems, resamples: int = RESAMPLES, seed: int = 0, level: float = LEVEL) -> dict[str, Any]:
     """Percentile intervals of every task figure, by a bootstrap over the task's samples:
     ``{"<task>/<metric>": [lo, hi]}``."""
@@ -234,9 +224,9 @@ def task_intervals(items: TaskItems, resamples: int = RESAMPLES, seed: int = 0, 
     for name, entry in items.tasks.items():
         if not entry["doc_ids"]:
             continue
-        weights = _draws(len(entry["doc_ids"]), resamples, seed)
+        weights = draws(np.random.default_rng(seed), len(entry["doc_ids"]), resamples)
         for metric, values in _figures(entry, weights).items():
-            out[f"{name}/{metric}"] = _interval(values, level)
+            out[f"{name}/{metric}"] = interval(values, level)
     return out
 
 
@@ -245,19 +235,14 @@ def task_paired(items: TaskItems, baseline: TaskItems, resamples: int = RESAMPLE
     """Every task figure of a model against a baseline scored on the same samples, resampled with
     the same draws: ``{"<task>/<metric>": {"difference", "ci": [lo, hi], "excludes_zero"}}``.
     Tasks the two did not score on the same documents are left out."""
-    from fairprune.metrics.lm_bootstrap import _difference
-
     out: dict[str, Any] = {}
     for name, entry in items.tasks.items():
         other = baseline.tasks.get(name)
         if other is None or other["doc_ids"] != entry["doc_ids"] or not entry["doc_ids"]:
             continue
-        n = len(entry["doc_ids"])
-        weights, once = _draws(n, resamples, seed), np.ones((1, n))
-        a, b = _figures(entry, weights), _figures(other, weights)
-        a0, b0 = _figures(entry, once), _figures(other, once)
-        for metric in a.keys() & b.keys():
-            out[f"{name}/{metric}"] = _difference(float(a0[metric][0] - b0[metric][0]), a[metric] - b[metric], level)
+        weights = draws(np.random.default_rng(seed), len(entry["doc_ids"]), resamples)
+        differences = paired(partial(_figures, entry), partial(_figures, other), weights, level)
+        out.update({f"{name}/{metric}": value for metric, value in differences.items()})
     return out
 
 

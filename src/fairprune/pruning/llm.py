@@ -27,8 +27,8 @@ from fairprune.data.text import document_start
 from fairprune.errors import UserError
 from fairprune.families import Family, family_of, linear_weight, set_linear_weight
 from fairprune.hub.checks import nonfinite
+from fairprune.metrics.bootstrap import lm_intervals, lm_paired
 from fairprune.metrics.language import LMItems
-from fairprune.metrics.lm_bootstrap import lm_intervals, lm_paired
 from fairprune.pruning import registry
 from fairprune.pruning.blocks import as_blocks
 from fairprune.pruning.calibration import PAIR_BATCH, rank_inputs, run_layerwise

@@ -93,3 +93,14 @@ def _table(header: list[str], rows: list[list[Any]]) -> str:
     lines = ["| " + " | ".join(_text(h) for h in header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(_text(c) if str(c) else "–" for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _intervals(report: Mapping[str, Any]) -> tuple[Mapping[str, Any], str]:
+    """The report's own section of intervals for this model's figures (``ci``: ``{figure: [low,
+    high], "groups": {group: [low, high]}, "level": 0.95}``, or ``ci95``) and their label."""
+    for key, label in (("ci", "CI"), ("ci95", "95 % CI")):
+        section = report.get(key)
+        if isinstance(section, Mapping):
+            level = _number(section.get("level"))
+            return section, (f"{level * 100:g} % CI" if level is not None and 0 < level < 1 else label)
+    return {}, "CI"

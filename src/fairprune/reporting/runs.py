@@ -11,7 +11,6 @@ model that is not finite is never saved.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +19,9 @@ import yaml
 
 from fairprune.errors import UserError
 from fairprune.hub.checks import nonfinite
+from fairprune.reporting.card_lm import HeadCard, LMCard
 from fairprune.reporting.environment import environment
-from fairprune.reporting.model_card import write_model_card
+from fairprune.reporting.model_card import Card, write_model_card
 from fairprune.reporting.plots import plot_axis_correlation, plot_head_heatmap
 from fairprune.reporting.report import write_json
 from fairprune.storage.atomic import write_csv, write_text
@@ -52,18 +52,18 @@ def check_result(model, output: str | os.PathLike, method: str | None = None) ->
 
 
 def write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any], config: dict[str, Any],
-               layers: dict[str, float] | None = None, extra: Callable[[Path], Any] | None = None,
-               keep: tuple[str, ...] = (), save_format: str | None = None, nm: tuple[int, int] | None = None,
-               items: tuple[Any, Any] = (None, None)) -> Path:
-    """Write the run into a staging folder beside ``output`` and swap it in whole (``keep``: files
-    of ``output`` that stay); ``extra(folder)`` writes more files first. ``save_format`` (dense or
-    compressed) adds the report's ``weights`` block; None: ``save_pretrained`` alone."""
+              layers: dict[str, float] | None = None, save_format: str | None = None, nm: tuple[int, int] | None = None,
+              items: tuple[Any, Any] = (None, None), heads: Any = None) -> Path:
+    """Write the run into a staging folder beside ``output`` and swap it in whole. ``save_format``
+    (dense or compressed) adds the report's ``weights`` block; None: ``save_pretrained`` alone.
+    ``heads``: a head-pruning run's result (a ``FaspResult``): its plots are written, its scoring
+    journal stays in the folder and the card is a head run's."""
     check_result(model, output, report.get("method"))
     report.setdefault("threads", torch.get_num_threads())
 
     def write(out: Path) -> None:
-        if extra is not None:
-            extra(out)
+        if heads is not None:
+            _head_plots(out, heads)
         if save_format is None:
             model.save_pretrained(out)
         else:  # the bytes are measured in the staged folder, before the report is written
@@ -71,13 +71,13 @@ def write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any
 
             report["weights"] = save_weights(model, out, save_format, nm)
         tokenizer.save_pretrained(out)
-        write_run_files(out, report, config, layers, *items)
+        write_run_files(out, report, config, layers, *items, card=LMCard if heads is None else HeadCard)
 
-    return replace_folder(output, write, keep=keep, owned=RUN_FILES)
+    return replace_folder(output, write, keep=() if heads is None else JOURNAL, owned=RUN_FILES)
 
 
 def write_run_files(out: Path, report: dict[str, Any], config: dict[str, Any], layers: dict[str, float] | None = None,
-                    items: Any = None, task_items: Any = None) -> None:
+                    items: Any = None, task_items: Any = None, card: type[Card] = LMCard) -> None:
     """What every LM run writes beside its model, into its staging folder ``out``: the per-item
     outcomes (``eval_items.npz``, ``task_items.json``, when given), ``sparsity.csv`` (when
     given), ``config.yaml``, the model card (``README.md``) and, last, ``report.json``."""
@@ -91,22 +91,21 @@ def write_run_files(out: Path, report: dict[str, Any], config: dict[str, Any], l
                   index=False)
     write_text(out / "config.yaml", yaml.safe_dump(config, sort_keys=False))
     report["environment"] = environment()
-    write_model_card(out, report, config)  # README.md: the Hub's model card, the run's figures in it
+    write_model_card(out, report, config, card=card)  # README.md: the Hub's model card, the run's figures in it
     write_json(out / "report.json", report)
 
 
 def write_head_run(output: str | os.PathLike, model, tokenizer, result: Any, config: dict[str, Any],
                    task_items: Any = None) -> Path:
-    """A head-pruning run's folder: the plots of ``result`` (a ``FaspResult``: ``impact``, ``axes``,
-    ``protected``, ``removed``, ``bias_by_axis``), ``task_items.json`` when ``--tasks`` ran, then the
-    model and its report; the scoring journal (``head_scores.csv``) stays in the folder."""
+    """A head-pruning run's folder: the plots of ``result`` (a ``FaspResult``), ``task_items.json``
+    when ``--tasks`` ran, then the model and its report; the scoring journal (``head_scores.csv``)
+    stays in the folder."""
+    return write_run(output, model, tokenizer, result.report, config, items=(None, task_items), heads=result)
 
-    def plots(out: Path) -> None:
-        if task_items is not None:
-            task_items.save(out)
-        if result.impact is not None:
-            plot_head_heatmap(result.impact, result.axes, result.protected, result.removed, out / "heads_heatmap.png")
-        if result.bias_by_axis is not None:
-            plot_axis_correlation(result.bias_by_axis, out / "axis_correlation.png")
 
-    return write_run(output, model, tokenizer, result.report, config, extra=plots, keep=JOURNAL)
+def _head_plots(out: Path, result: Any) -> None:
+    """The plots of a ``FaspResult``: ``impact``, ``axes``, ``protected``, ``removed``, ``bias_by_axis``."""
+    if result.impact is not None:
+        plot_head_heatmap(result.impact, result.axes, result.protected, result.removed, out / "heads_heatmap.png")
+    if result.bias_by_axis is not None:
+        plot_axis_correlation(result.bias_by_axis, out / "axis_correlation.png")

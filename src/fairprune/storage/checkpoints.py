@@ -51,20 +51,20 @@ def code_refused(what: str, path: str | Path, refused: str, hint: str = WRITTEN_
                      f"and numbers; nothing in it was run; {hint}")
 
 
-def read_checkpoint(path: str | Path, what: str = "checkpoint", hint: str = WRITTEN_BY_TRAIN) -> dict[str, Any]:
+def read_checkpoint(path: str | Path, what: str = "checkpoint", hint: str = WRITTEN_BY_TRAIN,
+                    raw: bytes | None = None) -> dict[str, Any]:
     """The dictionary a checkpoint file holds, loaded as data on the CPU (``weights_only=True``).
 
     ``what`` names the option in messages (``--resume``, ``--ckpt_path``); ``hint`` says what to
-    pass instead."""
+    pass instead; ``raw``: the file's bytes, when the caller has read them (the file is not read
+    again)."""
+    import io
+
     import torch
 
-    path = Path(path)
-    if path.is_dir():
-        raise UserError(f"{what} '{path}' is a directory, not a checkpoint file; {hint}")
-    if not path.is_file():
-        raise UserError(f"{what} '{path}' does not exist; {hint}")
+    path = _existing(path, what, hint)
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path if raw is None else io.BytesIO(raw), map_location="cpu", weights_only=True)
     except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, RuntimeError, ValueError, OSError, AttributeError,
             ImportError, IndexError, KeyError, TypeError) as err:
         refused = holds_code(err)
@@ -75,6 +75,25 @@ def read_checkpoint(path: str | Path, what: str = "checkpoint", hint: str = WRIT
     if not isinstance(state, dict):
         raise UserError(f"{what} '{path}' holds a {type(state).__name__}, not a checkpoint dictionary; {hint}")
     return state
+
+
+def _existing(path: str | Path, what: str, hint: str) -> Path:
+    path = Path(path)
+    if path.is_dir():
+        raise UserError(f"{what} '{path}' is a directory, not a checkpoint file; {hint}")
+    if not path.is_file():
+        raise UserError(f"{what} '{path}' does not exist; {hint}")
+    return path
+
+
+def read_bytes(path: str | Path, what: str = "checkpoint", hint: str = WRITTEN_BY_TRAIN) -> bytes:
+    """A checkpoint file's bytes (to read once and load from memory); refused as :func:`read_checkpoint` refuses."""
+    path = _existing(path, what, hint)
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise UserError(f"{what} '{path}' is not a torch checkpoint (cut short, or another kind of file: "
+                        f"{load_error_reason(err)}); {hint}") from None
 
 
 def state_dict_mismatch(err: BaseException) -> str | None:

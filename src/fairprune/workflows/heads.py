@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alph
     """Load the model, score / select / remove heads with ``method`` at ``alpha``; write the pruned
     model, its plots and ``report.json`` into ``output``. ``specs``: lm-eval tasks scored on the
     model before and after (``--tasks``; the dense model's from the cache after the first run)."""
-    from fairprune.pruning.fasp import Generation, run_fasp
+    from fairprune.pruning.fasp import FaspSettings, run_fasp
 
     prompts = read_prompts(heads.prompts) if heads.prompts else None
     if prompts is not None:
@@ -56,10 +56,8 @@ def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alph
                                 who="dense model: ")
     scoring_text = render_calib_text(tokenizer, read_calib_text(lm.calib_text)) if lm.calib_text else None
     eval_text = read_text(lm.eval_text) if lm.eval_text else None
-    result = run_fasp(model, tokenizer, prompts, scoring_text, method, heads.gamma, alpha, heads.axis, heads.scorer,
-                      output, eval_text=eval_text, generation=Generation(max_new_tokens=heads.max_new_tokens, seed=lm.seed),
-                      seqlen=lm.seqlen, seed=lm.seed, max_batch=heads.max_batch,
-                      progress=machine.progress and distributed.is_main(), eval_tokens=lm.eval_tokens)
+    result = run_fasp(model, tokenizer, prompts, scoring_text, method, replace(heads, alpha=alpha), output, calibration=lm,
+                      settings=FaspSettings(eval_text=eval_text, progress=machine.progress and distributed.is_main()))
     result.report["model"] = lm.model
     tasks = measure_tasks(model, tokenizer, specs, lm, resolve_device(lm.device), talk, who=f"{method}: ")
     attach(result.report, tasks, dense_tasks)

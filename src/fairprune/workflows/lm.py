@@ -36,9 +36,9 @@ from fairprune.data.pairs import LMTexts, lm_texts
 from fairprune.errors import UserError
 from fairprune.hub import load_tokenizer
 from fairprune.memory import peak_rss_bytes
+from fairprune.metrics.bootstrap import lm_intervals, lm_paired
 from fairprune.metrics.harness import TaskItems, dto, task_intervals, task_paired
 from fairprune.metrics.language import LMItems
-from fairprune.metrics.lm_bootstrap import lm_intervals, lm_paired
 from fairprune.pruning import registry
 from fairprune.pruning.blocks import zero_fraction
 from fairprune.pruning.llm import check_pattern_fits, evaluation_facts

@@ -4,7 +4,7 @@ Every pruning run writes ``test_items.npz`` beside its report: for each test ite
 split's order, whether the pruned model got it right and its group (plain arrays, read back with
 ``allow_pickle=False``). ``compare`` then puts each method against a baseline on the very same
 items: the difference of accuracy, accuracy gap and degradation std with a paired,
-group-stratified bootstrap interval (:func:`fairprune.metrics.group.bootstrap.paired_difference`),
+group-stratified bootstrap interval (:func:`fairprune.metrics.bootstrap.paired_difference`),
 marked where the interval excludes 0. Paired, the shared difficulty of the items cancels, so the
 interval is much narrower than the two runs' own intervals side by side.
 """
@@ -22,7 +22,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from fairprune.errors import UserError
-from fairprune.metrics.group.bootstrap import bootstrap, paired_difference
+from fairprune.metrics.bootstrap import bootstrap, paired_difference
 from fairprune.pruning.channels import GRANULARITIES
 from fairprune.storage.arrays import TooLarge, open_npz
 

@@ -4,6 +4,9 @@ need before any Trainer is built; and a compare cell's per-item outcomes measure
 
 from __future__ import annotations
 
+import hashlib
+import io
+from dataclasses import dataclass, field
 from pathlib import Path
 from pkgutil import resolve_name
 from typing import Any
@@ -12,7 +15,7 @@ import lightning as L
 
 from fairprune.errors import UserError
 from fairprune.pruning import channels
-from fairprune.storage.checkpoints import read_checkpoint, state_dict_mismatch
+from fairprune.storage.checkpoints import read_bytes, read_checkpoint, state_dict_mismatch
 from fairprune.workflows.options import DataOptions
 from fairprune.workflows.paired import item_outcomes, save_items
 
@@ -21,8 +24,42 @@ VISION_CKPT = ("a checkpoint of a vision classifier with class and group names, 
                "(e.g. runs/demo/dense/checkpoints/last.ckpt)")
 
 
-def load_trained(ckpt: str | Path, data_overrides: dict[str, Any] | None = None) -> tuple[L.LightningModule, L.LightningDataModule]:
-    """The model and data module a checkpoint was trained with (``data_overrides`` e.g. a new root).
+@dataclass(frozen=True)
+class Trained:
+    """A vision checkpoint read once: the path as given (``source``), its bytes, their SHA-256 and
+    the dictionary they hold (read as data, checked by :func:`open_trained`). Everything a command
+    needs of the checkpoint comes from here; the file is not opened again."""
+
+    source: str
+    raw: bytes = field(repr=False)
+    sha256: str
+    meta: dict[str, Any] = field(repr=False)
+
+    def build(self, data_overrides: dict[str, Any] | None = None) -> tuple[L.LightningModule, L.LightningDataModule]:
+        """The model and data module the checkpoint was trained with (``data_overrides`` e.g. a new
+        root), rebuilt from the bytes in memory."""
+        hp, dhp = self.meta["hyper_parameters"], self.meta["datamodule_hyper_parameters"]
+        try:
+            model = resolve_name(hp["_class_path"]).load_from_checkpoint(io.BytesIO(self.raw), map_location="cpu",
+                                                                          weights_only=True)
+        except UserError as err:
+            raise UserError(f"checkpoint '{self.source}': {err}") from None
+        except RuntimeError as err:
+            reason = state_dict_mismatch(err)
+            if reason is None:
+                raise
+            raise UserError(f"checkpoint '{self.source}' holds weights that do not fit the model its settings build "
+                            f"({reason}); the file was edited or damaged: pass {VISION_CKPT}") from None
+        try:
+            data = resolve_name(dhp["_class_path"]).load_from_checkpoint(io.BytesIO(self.raw), weights_only=True,
+                                                                          **(data_overrides or {}))
+        except UserError as err:  # a data setting the checkpoint records (or an override of it) refused
+            raise UserError(f"checkpoint '{self.source}' (its data settings, with any --data overrides): {err}") from None
+        return model, data
+
+
+def open_trained(ckpt: str | Path) -> Trained:
+    """Read a vision checkpoint once and check it.
 
     Everything that makes the checkpoint unusable for the vision commands (no such file, a folder,
     not a torch checkpoint, a checkpoint of another kind of model such as a causal LM) is a
@@ -37,7 +74,8 @@ def load_trained(ckpt: str | Path, data_overrides: dict[str, Any] | None = None)
         raise UserError(f"checkpoint '{ckpt}' is a directory; pass the checkpoint file inside it{hint}: {VISION_CKPT}")
     if not path.is_file():
         raise UserError(f"checkpoint '{ckpt}' does not exist; train first (python train.py fit ...) and pass its checkpoints/last.ckpt")
-    meta = read_checkpoint(path, "checkpoint", f"pass {VISION_CKPT}")  # as data: a crafted file runs nothing
+    raw = read_bytes(path, "checkpoint", f"pass {VISION_CKPT}")
+    meta = read_checkpoint(path, "checkpoint", f"pass {VISION_CKPT}", raw=raw)  # as data: a crafted file runs nothing
     hp, dhp = meta.get("hyper_parameters") or {}, meta.get("datamodule_hyper_parameters")
     if "_class_path" not in hp or not dhp or "_class_path" not in dhp:
         raise UserError(f"checkpoint '{ckpt}' does not record its model and data classes; use one written by train.py")
@@ -50,21 +88,13 @@ def load_trained(ckpt: str | Path, data_overrides: dict[str, Any] | None = None)
     check_state_dict(meta, ckpt)
     if channels.CHECKPOINT_KEY in meta:  # a channel-pruned model's architecture, checked before anything is built
         channels.check_architecture(meta[channels.CHECKPOINT_KEY], meta.get("state_dict"), f"checkpoint '{ckpt}'")
-    try:
-        model = resolve_name(hp["_class_path"]).load_from_checkpoint(path, map_location="cpu", weights_only=True)
-    except UserError as err:
-        raise UserError(f"checkpoint '{ckpt}': {err}") from None
-    except RuntimeError as err:
-        reason = state_dict_mismatch(err)
-        if reason is None:
-            raise
-        raise UserError(f"checkpoint '{ckpt}' holds weights that do not fit the model its settings build ({reason}); "
-                        f"the file was edited or damaged: pass {VISION_CKPT}") from None
-    try:
-        data = resolve_name(dhp["_class_path"]).load_from_checkpoint(path, weights_only=True, **(data_overrides or {}))
-    except UserError as err:  # a data setting the checkpoint records (or an override of it) refused
-        raise UserError(f"checkpoint '{ckpt}' (its data settings, with any --data overrides): {err}") from None
-    return model, data
+    return Trained(str(ckpt), raw, hashlib.sha256(raw).hexdigest(), meta)
+
+
+def load_trained(ckpt: str | Path, data_overrides: dict[str, Any] | None = None) -> tuple[L.LightningModule, L.LightningDataModule]:
+    """The model and data module a checkpoint was trained with (``data_overrides`` e.g. a new root),
+    the checkpoint checked as :func:`open_trained` checks it."""
+    return open_trained(ckpt).build(data_overrides)
 
 
 #: State-dict entries that hold floating-point values in every model (a weight read as integers

@@ -31,7 +31,7 @@ from fairprune.callbacks.report import ReportWriter
 from fairprune.callbacks.saving import atomic_checkpoints
 from fairprune.callbacks.signals import CheckpointOnStop, stop_in, stops_reported
 from fairprune.errors import UserError
-from fairprune.metrics.group.bootstrap import bootstrap
+from fairprune.metrics.bootstrap import bootstrap
 from fairprune.models.deploy import deploy_report, input_shape_of, slower_than_dense
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.plots import plot_error_rate_changes, plot_group_shares
@@ -39,7 +39,6 @@ from fairprune.reporting.records import VisionReport, VisionRow
 from fairprune.reporting.report import write_json
 from fairprune.storage.atomic import write_text
 from fairprune.storage.checkpoints import read_checkpoint
-from fairprune.storage.digest import file_sha256
 from fairprune.storage.lock import locked
 from fairprune.workflows import paired as compare_cells
 from fairprune.workflows.options import DataOptions, TrainerOptions, check_trainer, result_settings
@@ -51,7 +50,14 @@ from fairprune.workflows.reference import (
     schedule_epochs,
     small_group_warnings,
 )
-from fairprune.workflows.trained import VISION_CKPT, checkpoint_file, load_trained, measure_items_again  # noqa: F401 - load_trained is the vision commands' loader, imported from here
+from fairprune.workflows.trained import (  # noqa: F401 - load_trained is the vision commands' loader, imported from here
+    VISION_CKPT,
+    Trained,
+    checkpoint_file,
+    load_trained,
+    measure_items_again,
+    open_trained,
+)
 
 
 def _run_folder(output: str, name: str | None, pruning: dict[str, Any], **_: Any) -> Path:
@@ -95,21 +101,24 @@ def prune_vision(
     """
     check_reference(reference)
     check_trainer(trainer)
-    report, _ = _prune(ckpt, pruning, IterativePruning(**pruning), output, name, trainer, data, resume, seed, reference,
-                       deploy)
+    cell = pruning, IterativePruning(**pruning)  # its settings checked before the checkpoint is read
+    report, _ = _prune(open_trained(ckpt), cell, output, name, trainer, data, resume, seed, reference, deploy)
     print(f"[prune] {report.get('method')}: accuracy {report.get('metrics', {}).get('accuracy', float('nan')):.4f}, "
           f"sparsity {report.get('achieved_sparsity', float('nan')):.4f}")
     return report
 
 
-def _prune(ckpt: str, pruning: dict[str, Any], callback: IterativePruning, output: str, name: str | None,
+def _prune(trained: Trained, cell: tuple[dict[str, Any], IterativePruning], output: str, name: str | None,
            trainer: TrainerOptions | None, data: DataOptions | None, resume: str | None = None,
            seed: int = 0, reference: str = "continued", deploy: bool = True) -> tuple[dict[str, Any], IterativePruning]:
-    """The run behind :func:`prune_vision`: its report and the pruning callback (FairGRAPE's shares)."""
+    """The run behind :func:`prune_vision`: its report and the pruning callback (FairGRAPE's shares).
+    ``trained``: the dense checkpoint, read once; the model, the reference and the deploy figures'
+    dense network are built from it. ``cell``: the pruning settings and the callback built from them."""
+    pruning, callback = cell
     L.seed_everything(seed, workers=True, verbose=False)
     name = name or callback.method
     run = Path(output) / name
-    model, datamodule = load_trained(ckpt, data)
+    model, datamodule = trained.build(data)
     if resume is not None:
         _check_resume(resume, callback)  # before anything is written or trained
     run.mkdir(parents=True, exist_ok=True)
@@ -118,10 +127,10 @@ def _prune(ckpt: str, pruning: dict[str, Any], callback: IterativePruning, outpu
         # written, so no process (a DDP rank starting later) can take them for this run's.
         for stale in (run / "report.json", run / "README.md", run / "checkpoints" / "last.ckpt"):  # README.md: its model card
             stale.unlink(missing_ok=True)
-    config = _run_config(ckpt, pruning, output, name, trainer, data, seed, reference)
+    config = _run_config(trained, pruning, output, name, trainer, data, seed, reference)
     write_text(run / "config.yaml", yaml.safe_dump(config, sort_keys=False))
     if reference == "continued" and resume is None:  # a resumed run's checkpoint holds its reference
-        figures, facts = continued_reference(lambda: load_trained(ckpt, data), config["ckpt_sha256"],
+        figures, facts = continued_reference(lambda: trained.build(data), trained.sha256,
                                              schedule_epochs(callback, dict(trainer or {})), seed, dict(trainer or {}),
                                              dict(data or {}))
         callback.use_reference(figures, facts)
@@ -133,7 +142,7 @@ def _prune(ckpt: str, pruning: dict[str, Any], callback: IterativePruning, outpu
         # _RecordClasses: the checkpoints hold the dense model's settings as plain data (class paths and
         # arguments), not the objects the model was rebuilt with, so they load with weights_only=True.
         callbacks=[callback, writer, FiniteCheck(), ModelCheckpoint(dirpath=run / "checkpoints", save_last=True),
-                   _RecordClasses(read_checkpoint(ckpt)), CheckpointOnStop()]
+                   _RecordClasses(trained.meta), CheckpointOnStop()]
         + ([ProgressBar()] if settings.get("enable_progress_bar", True) else []),
         **settings,
     )
@@ -149,7 +158,7 @@ def _prune(ckpt: str, pruning: dict[str, Any], callback: IterativePruning, outpu
         if fit.is_global_zero:
             save_items(run, item_outcomes(model, datamodule.test_dataloader()))
             if deploy:  # the pruned network beside the dense checkpoint's, measured in one run
-                report["deploy"] = deploy_report({"pruned": model.net, "dense": load_trained(ckpt, data)[0].net},
+                report["deploy"] = deploy_report({"pruned": model.net, "dense": trained.build(data)[0].net},
                                                  input_shape_of(datamodule))
                 slower = slower_than_dense(report["deploy"], callback.granularity, callback.channel_multiple)
                 if slower:  # the deploy figures say pruning cost speed: one line with what to change
@@ -173,11 +182,11 @@ def _check_resume(resume: str, callback: IterativePruning) -> None:
     callback.check_state(saved, f"--resume '{resume}'")
 
 
-def _run_config(ckpt: str, pruning: dict[str, Any], output: str, name: str, trainer: TrainerOptions | None,
+def _run_config(trained: Trained, pruning: dict[str, Any], output: str, name: str, trainer: TrainerOptions | None,
                 data: DataOptions | None, seed: int, reference: str = "continued") -> dict[str, Any]:
     """What a pruning run's ``config.yaml`` holds: everything its result depends on (the checkpoint
     by path and content: a dense model trained again under the same path is another start)."""
-    return {"ckpt": str(ckpt), "ckpt_sha256": file_sha256(ckpt), "pruning": pruning, "trainer": trainer or {},
+    return {"ckpt": trained.source, "ckpt_sha256": trained.sha256, "pruning": pruning, "trainer": trainer or {},
             "data": data or {}, "seed": seed, "output": str(output), "name": name, "reference": reference}
 
 
@@ -237,19 +246,19 @@ class _RecordClasses(L.Callback):
         checkpoint.update({part: dict(values) for part, values in self.parts.items()})
 
 
-def train_dense(ckpt: str | Path, folder: Path, seed: int, trainer: TrainerOptions | None = None,
+def train_dense(dense: Trained, folder: Path, seed: int, trainer: TrainerOptions | None = None,
                 data: DataOptions | None = None) -> Path:
     """Train the model of a dense checkpoint afresh from ``seed``: the same model and data settings
     and the same number of epochs as the checkpoint, a new initialisation and data order. The run
     goes to ``folder`` (``checkpoints/last.ckpt``, ``metrics.csv``, ``report.json``); a finished one
     already there is reused. Returns its ``last.ckpt``."""
-    meta = read_checkpoint(ckpt, "checkpoint", f"pass {VISION_CKPT}")
+    meta = dense.meta
     epochs = int(meta.get("epoch", 0)) + 1
     last = folder / "checkpoints" / "last.ckpt"
     if last.is_file() and _epochs_in(last) >= epochs:
         print(f"[compare] reusing the dense model of seed {seed}: {last}", flush=True)
         return last
-    _, datamodule = load_trained(ckpt, data)  # validates the checkpoint, and the data it was trained on
+    _, datamodule = dense.build(data)  # the data it was trained on
     L.seed_everything(seed, workers=True, verbose=False)
     hp = dict(meta["hyper_parameters"])
     instantiator = hp.pop("_instantiator", None)
@@ -351,10 +360,11 @@ def compare_vision(
     cells, start, recalibration = len(plan), time.perf_counter(), None
     firsts: list[VisionReport] = []  # per seed, the first cell's report: it holds the dense figures
     folders: dict[str, list[Path]] = {}  # per cell, its run folder per seed
+    original = open_trained(ckpt)  # read once: every cell of every seed is pruned from what was read
     for s in seeds:
         base = output / f"seed{s}" if repeated else output
         try:
-            source = train_dense(ckpt, base / "dense", s, trainer, data) if dense_per_seed else ckpt
+            source = open_trained(train_dense(original, base / "dense", s, trainer, data)) if dense_per_seed else original
         except BaseException as err:
             stop = stop_in(err, f"the dense model of seed {s}", f"run the same command again (the dense model of "
                            f"seed {s} trains again from the start, finished ones are reused)")
@@ -368,7 +378,7 @@ def compare_vision(
                 settings, callback = plan[s, granularity, method, sparsity]
                 done = sum(len(r) for r in reports.values())
                 label = f"[compare] {name}{f' seed {s}' if repeated else ''} ({done + 1}/{cells})"
-                report, resume = _earlier_cell(base / name, _run_config(str(source), settings, str(base), name, trainer, data, s,
+                report, resume = _earlier_cell(base / name, _run_config(source, settings, str(base), name, trainer, data, s,
                                                                          reference))
                 if report is not None:
                     print(f"{label}: finished earlier with the same settings, reusing {base / name}", flush=True)
@@ -378,7 +388,7 @@ def compare_vision(
                 else:
                     print(f"{label}{f': resuming from {resume}' if resume else ''} ...", flush=True)
                     try:
-                        report, _ = _prune(str(source), settings, callback, str(base), name, trainer, data, resume=resume,
+                        report, _ = _prune(source, (settings, callback), str(base), name, trainer, data, resume=resume,
                                            seed=s, reference=reference, deploy=deploy)
                     except BaseException as err:
                         # Run again, compare reuses the finished cells and resumes this one from its last.ckpt.

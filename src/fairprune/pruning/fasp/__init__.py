@@ -39,7 +39,7 @@ The plots (:func:`~fairprune.reporting.plots.plot_head_heatmap`,
 
 from __future__ import annotations
 
-from fairprune.pruning.fasp.run import FaspResult, run_fasp
+from fairprune.pruning.fasp.run import FaspResult, FaspSettings, run_fasp
 from fairprune.pruning.fasp.scoring import (
     BASELINE,
     Evaluator,
@@ -65,6 +65,6 @@ __all__ = [
     "BASELINE", "Generation", "Evaluator", "generate_continuations", "measure_bias", "token_ids",
     "score_heads", "read_scores", "head_bias_impact", "head_bias_by_axis",
     "Selection", "counts", "select_fasp", "select_heads", "gradient_importance", "search_gamma",
-    "FaspResult",
+    "FaspResult", "FaspSettings",
     "run_fasp",
 ]

@@ -18,14 +18,15 @@ from torch import nn
 from fairprune import distributed
 from fairprune.data.prompts import check_prompts, holistic_prompts, split_prompts
 from fairprune.errors import UserError, suggest
+from fairprune.metrics.bootstrap import bias_intervals, bias_paired, lm_intervals, lm_paired
 from fairprune.metrics.language import LMItems, eval_ids
-from fairprune.metrics.lm_bootstrap import bias_intervals, bias_paired, lm_intervals, lm_paired
 from fairprune.metrics.toxicity import ToxicityScorer, make_scorer, scorer_name
 from fairprune.pruning import registry
 from fairprune.pruning.fasp.scoring import Evaluator, Generation, head_bias_by_axis, head_bias_impact, score_heads, token_ids
 from fairprune.pruning.fasp.selection import counts, search_gamma, select_heads
 from fairprune.pruning.head_size import measure, removal_size, tokens_per_second
 from fairprune.pruning.heads import HeadGates, remove_heads
+from fairprune.pruning.options import CalibrationOptions, HeadOptions
 
 
 @dataclass
@@ -40,47 +41,57 @@ class FaspResult:
     bias_by_axis: pd.DataFrame | None = None  # per-head bias per axis, for the axis correlation plot
 
 
+@dataclass(frozen=True)
+class FaspSettings:
+    """How a head-pruning run scores and measures, beyond the command's options.
+
+    ``eval_text`` (default the scoring text) gives the reported perplexity; ``generation`` (default
+    from ``HeadOptions.max_new_tokens`` and the calibration seed) how continuations are sampled;
+    ``validation`` the share of prompts heads are scored on, split by ``subgroup``; ``gammas`` and
+    ``tolerance`` the γ search; ``loadable`` keeps the pruned model loadable by plain transformers;
+    ``batched=False`` scores one head per pass (the reference path: same scores)."""
+
+    eval_text: str | Sequence[str] | None = None
+    generation: Generation | None = None
+    ppl_batch_size: int = 4
+    validation: float = 0.2
+    subgroup: str = "bucket"
+    gammas: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+    tolerance: float = 0.05
+    loadable: bool = True
+    progress: bool = True
+    batched: bool = True
+
+
 def run_fasp(
     model: nn.Module,
     tokenizer,
     prompts: pd.DataFrame | None = None,
     ppl_text: str | Sequence[str] | None = None,
     method: str = "fasp",
-    gamma: float | None = 0.3,
-    alpha: float = 0.1,
-    axis: str | Sequence[str] = "gender_and_sex",
-    scorer: str | ToxicityScorer = "auto",
+    heads: HeadOptions = HeadOptions(),
     output_dir: str | Path = "runs/fasp",
     *,
-    eval_text: str | Sequence[str] | None = None,
-    generation: Generation = Generation(),
-    seqlen: int = 128,
-    ppl_batch_size: int = 4,
-    validation: float = 0.2,
-    subgroup: str = "bucket",
-    gammas: Sequence[float] = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9),
-    tolerance: float = 0.05,
-    seed: int = 0,
-    loadable: bool = True,
-    progress: bool = True,
-    eval_tokens: int | None = None,
-    max_batch: int | None = None,
-    batched: bool = True,
+    calibration: CalibrationOptions = CalibrationOptions(),
+    scorer: ToxicityScorer | None = None,
+    settings: FaspSettings = FaspSettings(),
 ) -> FaspResult:
     """Score, select and remove heads in place; return the run (report and plot data).
 
     ``prompts`` defaults to the bundled HolisticBias-format set, ``ppl_text`` to the validation
-    part of the bundled corpus; ``eval_text`` (default ``ppl_text``) gives the reported
-    perplexity. Heads are scored and γ is searched (when ``gamma`` is None) on the validation
-    prompts; the report measures the test prompts. ``axis`` is one axis, several (their biases are
-    summed) or ``"all"``. Head scores are journaled to ``output_dir/head_scores.csv``.
-
-    ``max_batch`` is the number of rows per forward when many head configurations are evaluated
-    together (None: from the memory); ``batched=False`` scores one head per pass instead (the
-    reference path: same scores). Under ``torchrun`` the heads are scored in shares across the
+    part of the bundled corpus. ``heads``: γ, α, the axis (one, several, their biases summed, or
+    ``"all"``), the scorer (``scorer``: a scorer object instead of its name) and ``max_batch``, the
+    rows per forward when many head configurations are evaluated together (None: from the memory);
+    ``calibration``: the window length (``seqlen``), ``seed`` and ``eval_tokens``. Heads are scored
+    and γ is searched (when ``gamma`` is None) on the validation prompts; the report measures the
+    test prompts. Head scores are journaled to ``output_dir/head_scores.csv``. Under ``torchrun`` the heads are scored in shares across the
     ranks, and so are the trials of the γ search; everything else runs whole on every rank, so every
     rank ends with the same model and report (rank 0 alone writes the journal).
     """
+    gamma, alpha, axis, max_batch = heads.gamma, heads.alpha, heads.axis, heads.max_batch
+    seqlen, seed, eval_tokens = calibration.seqlen, calibration.seed, calibration.eval_tokens
+    generation = settings.generation or Generation(max_new_tokens=heads.max_new_tokens, seed=seed)
+    subgroup, ppl_batch_size, batched = settings.subgroup, settings.ppl_batch_size, settings.batched
     if max_batch is not None and max_batch < 1:
         raise UserError(f"max_batch must be at least 1 row per forward pass, got {max_batch}")
     start = time.perf_counter()
@@ -92,16 +103,16 @@ def run_fasp(
     if subgroup not in prompts.columns:
         raise UserError(f"subgroup column {subgroup!r} is not in the prompts; use bucket or descriptor")
     axes = sorted(prompts.axis.unique()) if axis == "all" else [axis] if isinstance(axis, str) else list(axis)
-    val_prompts, test_prompts = split_prompts(prompts, validation, seed, stratify=subgroup, axes=axes)
+    val_prompts, test_prompts = split_prompts(prompts, settings.validation, seed, stratify=subgroup, axes=axes)
     if ppl_text is None:
         from fairprune.data.text import lm_corpus
 
         ppl_text = lm_corpus().validation
-    scorer = make_scorer(scorer)
+    scorer = make_scorer(heads.scorer if scorer is None else scorer)
     common = dict(model=model, tokenizer=tokenizer, scorer=scorer, generation=generation, seqlen=seqlen,
                   ppl_batch_size=ppl_batch_size, subgroup=subgroup, max_batch=max_batch)
     on_val = Evaluator(prompts=val_prompts, ppl_ids=token_ids(tokenizer, ppl_text), **common)
-    on_test = Evaluator(prompts=test_prompts, ppl_ids=eval_ids(token_ids(tokenizer, eval_text or ppl_text), max_tokens=eval_tokens),
+    on_test = Evaluator(prompts=test_prompts, ppl_ids=eval_ids(token_ids(tokenizer, settings.eval_text or ppl_text), max_tokens=eval_tokens),
                         **common)
     for a in axes:
         if a not in set(val_prompts.axis):
@@ -119,11 +130,11 @@ def run_fasp(
     gates, scores, search = HeadGates(model), None, None
     if entry.scored:
         tick = time.perf_counter()
-        scores = score_heads(on_val, out / "head_scores.csv", gates, progress, batched=batched)
+        scores = score_heads(on_val, out / "head_scores.csv", gates, settings.progress, batched=batched)
         seconds["scoring"] = time.perf_counter() - tick
     tick = time.perf_counter()
     if entry.protects and gamma is None:  # search γ; the trials are shared out under torchrun
-        search = search_gamma(on_val, scores, alpha, axes, gammas, tolerance=tolerance, seed=seed, gates=gates,
+        search = search_gamma(on_val, scores, alpha, axes, settings.gammas, tolerance=settings.tolerance, seed=seed, gates=gates,
                               batched=batched)
         gamma = search["gamma"]
     with distributed.local():
@@ -134,8 +145,8 @@ def run_fasp(
     tick = time.perf_counter()
     size_before = measure(model, seqlen)
     speed_before = tokens_per_second(model, on_test.ppl_ids, seqlen)
-    removal = remove_heads(model, selection.removed, loadable=loadable)
-    size = removal_size(size_before, model, removal, loadable)
+    removal = remove_heads(model, selection.removed, loadable=settings.loadable)
+    size = removal_size(size_before, model, removal, settings.loadable)
     size["tokens_per_second"] = {"before": speed_before, "after": tokens_per_second(model, on_test.ppl_ids, seqlen),
                                  "window": min(seqlen, on_test.ppl_ids.numel()), "threads": torch.get_num_threads()}
     seconds["removal"] = time.perf_counter() - tick
