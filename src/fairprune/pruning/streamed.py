@@ -38,7 +38,7 @@ from tqdm.auto import tqdm
 
 from fairprune.errors import UserError
 from fairprune.hub.checks import nonfinite
-from fairprune.hub.quantized import QuantizedReader, open_reader
+from fairprune.hub.quantized_stream import QuantizedReader, open_reader
 from fairprune.hub.shards import refuse_nonfloat
 from fairprune.memory import trim_heap
 from fairprune.pruning.blocks import BlockModel
@@ -162,14 +162,15 @@ class StreamedModel(BlockModel):
     def writer(self, out: Path | None):
         """A writer of the pruned model into ``out`` (None: this rank does not write): the tensors
         ``save_pretrained`` writes, in its order; with a ``quantizer`` (``--quantize``), a
-        :class:`~fairprune.hub.quantized.QuantizedWriter` that quantizes each block's layers as they
+        :class:`~fairprune.hub.quantized_stream.QuantizedWriter` that quantizes each block's layers as they
         are written."""
         from fairprune.hub.shards import ShardWriter
 
         if out is None:
             return None
         if self.quantizer is not None:
-            from fairprune.hub.quantized import QuantizedWriter, block_layers, save_dtype
+            from fairprune.hub.quantized import block_layers, save_dtype
+            from fairprune.hub.quantized_stream import QuantizedWriter
 
             groups = dict.fromkeys(block_layers(self), self.quantizer.group)
             return QuantizedWriter(out, self.output_tensors(), self.quantizer.quantize, groups, self.quantizer.scales,
