@@ -38,7 +38,6 @@ PENDING = {
     "workflows/lm_run.py:prune_run": "its options become one LM run options object when every LM run goes through it (issue #40.3)",
     "workflows/vision.py:compare_vision": "its arguments become one comparison object with the one compare loop (issue #40.4)",
     "pruning/llm.py:prune_causal_lm": "its solver arguments become SolverOptions / CalibrationOptions with prune_run",
-    "pruning/blocks.py:Resident.save": "the block models' one save signature (issue #40.1) replaces both",
     "reporting/compare.py:write_comparison": "the one compare loop (issue #40.4) passes one comparison object",
     "workflows/paired.py:compare_statistics": "the one compare loop (issue #40.4) passes one comparison object",
 }

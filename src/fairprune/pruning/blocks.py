@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from fairprune.families import family_of
+from fairprune.pruning.options import SaveOptions
 
 
 def device_of(module: nn.Module) -> torch.device:
@@ -127,9 +128,7 @@ class Resident(BlockModel):
         """None: a model in memory is saved whole once pruned (:meth:`save`)."""
         return None
 
-    def save(self, out, output, tokenizer, writer, method: str, save_format: str = "dense",
-             nm: tuple[int, int] | None = None, quantize: str = "none", quant_group_size: int = 128,
-             trust_remote_code: bool = False, progress: bool = True, **_: Any) -> tuple[Resident, dict | None]:
+    def save(self, out, output, tokenizer, writer, method: str, options: SaveOptions) -> tuple[Resident, dict | None]:
         """The pruned model into ``out`` (None on ranks that do not write; ``output``: the run's
         folder, for messages), refused when not finite on every rank: the model the run measures
         and the ``weights`` facts of the files written. That model is this one (pruned in place),
@@ -142,15 +141,16 @@ class Resident(BlockModel):
         check_result(self.model, output, method)
         if out is None:
             return self, None
+        quantize, progress = options.quantize, options.progress
         if quantize != "none":
             from fairprune.hub.quantized import load_quantized, save_quantized
 
             scales = self.quantizer.scales if self.quantizer is not None else None
-            weights = save_quantized(self.model, out, quantize, quant_group_size, progress=progress, scales=scales)
+            weights = save_quantized(self.model, out, quantize, options.quant_group_size, progress=progress, scales=scales)
             tokenizer.save_pretrained(out)
-            loaded = load_quantized(out, self.dtype, trust_remote_code, progress=progress)
+            loaded = load_quantized(out, self.dtype, options.trust_remote_code, progress=progress)
             return Resident(loaded, source=self.source), weights
-        weights = save_weights(self.model, out, save_format, nm)
+        weights = save_weights(self.model, out, options.save_format, options.nm)
         tokenizer.save_pretrained(out)
         return self, weights
 

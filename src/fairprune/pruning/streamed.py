@@ -43,6 +43,7 @@ from fairprune.hub.shards import refuse_nonfloat
 from fairprune.memory import trim_heap
 from fairprune.pruning.blocks import BlockModel
 from fairprune.pruning.calibration import CalibInput, capture_block_inputs, run_block
+from fairprune.pruning.options import SaveOptions
 
 
 def _split(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -185,8 +186,8 @@ class StreamedModel(BlockModel):
         """About what the pruned model's folder takes on disk (weights and tokenizer files)."""
         return self.weight_bytes() + 128 * len(tokenizer) + 64 * 1024
 
-    def save(self, out: Path | None, output, tokenizer, writer, method: str, trust_remote_code: bool = False,
-             quant_group_size: int = 128, **_: Any) -> tuple[StreamedModel, dict | None]:
+    def save(self, out: Path | None, output, tokenizer, writer, method: str,
+             options: SaveOptions) -> tuple[StreamedModel, dict | None]:
         """Finish the pruned model in ``out`` (its blocks were written as they were solved): the
         writer closed, config and tokenizer beside it (a quantized folder's ``quantization_config``
         too); then the pruned model as written, read from rank 0's files on every rank (a quantized
@@ -201,13 +202,13 @@ class StreamedModel(BlockModel):
             self.write_model_files(out, writer.dtype if quantized else self.dtype)
             tokenizer.save_pretrained(out)
             if quantized:
-                weights = writer.finish(out, quant_group_size)
+                weights = writer.finish(out, options.quant_group_size)
             else:
                 dense, written = self.weight_bytes(), weight_file_bytes(out)
                 weights = {"save_format": "dense", "dtype": dtype_name(self.dtype), "format": "dense",
                            "dense_bytes": dense, "file_bytes": written, "ratio": written / dense if dense else None}
         folder = Path(broadcast_text(None if out is None else str(out)))
-        return StreamedModel(folder, self.dtype, trust_remote_code, source=str(output)), weights
+        return StreamedModel(folder, self.dtype, options.trust_remote_code, source=str(output)), weights
 
     def task_model(self, lm) -> tuple[None, Any]:
         """What lm-eval runs on: the model loaded by transformers' disk offload

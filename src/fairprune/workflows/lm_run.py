@@ -30,7 +30,7 @@ from fairprune.hub import resolve_device
 from fairprune.hub.compressed import dtype_name, megabytes, weights_summary
 from fairprune.pruning import registry
 from fairprune.pruning.llm import calibration_facts, evaluation_facts, lm_report, prune_causal_lm
-from fairprune.pruning.options import SolverOptions
+from fairprune.pruning.options import SaveOptions, SolverOptions
 from fairprune.pruning.sparsity import Sparsity
 from fairprune.reporting.runs import RUN_FILES, write_run_files
 from fairprune.storage.folders import replace_folder
@@ -79,10 +79,10 @@ def prune_run(blocks, tokenizer, method: str, sparsity: Sparsity, output: str | 
         try:
             result = prune_causal_lm(blocks, method, sparsity, calib, pairs, device, solver.percdamp, solver.blocksize,
                                      progress=talk, writer=writer)
-            pruned, weights = blocks.save(out, output, tokenizer, writer, method, save_format=lm.save_format,
-                                          nm=sparsity.nm, trust_remote_code=lm.trust_remote_code,
-                                          quantize=lm.quantize, quant_group_size=lm.quant_group_size,
-                                          progress=machine.progress)
+            saving = SaveOptions(save_format=lm.save_format, nm=sparsity.nm, quantize=lm.quantize,
+                                 quant_group_size=lm.quant_group_size, trust_remote_code=lm.trust_remote_code,
+                                 progress=machine.progress)
+            pruned, weights = blocks.save(out, output, tokenizer, writer, method, saving)
         finally:
             if writer is not None:
                 writer.abort()
