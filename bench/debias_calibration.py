@@ -40,7 +40,7 @@ CONFIG = ROOT / "configs" / "compare" / "lm_smollm2.yaml"
 
 def per_pair_inputs(pairs):
     """The replaced layout: one batch per pair, at the pairs' common length, no attention mask."""
-    from fairprune.pruning.calibration import CalibInput
+    from fairprune.causal.forward import CalibInput
 
     ids0, ids1, mask = pairs
     return [CalibInput(torch.cat([ids0[i : i + 1], ids1[i : i + 1]]), True, mask[i : i + 1]) for i in range(len(ids0))]
@@ -63,7 +63,7 @@ def per_pair_statistic():
 def prune_layerwise(model, method: str, sparsity, inputs, stat_type) -> float:
     """``method``'s layer-sequential prune of ``model`` on ``inputs`` with ``stat_type`` as each
     layer's statistic (the library's loop and solver): the solver seconds."""
-    from fairprune.families import linear_weight
+    from fairprune.causal.families import linear_weight
     from fairprune.pruning import registry
     from fairprune.pruning.calibration import run_layerwise
     from fairprune.pruning.llm import solve_layer
@@ -92,7 +92,8 @@ def prune_per_pair(model, sparsity, calib, pairs) -> float:
 def prune_same_tokens(model, sparsity, calib, pairs, pair_batch: int) -> float:
     """SparseGPT calibrated on the tokens Debias-SparseGPT reads: the windows and both sides of
     every pair as plain sequences (batched and masked as the pairs are). The solver seconds."""
-    from fairprune.pruning.calibration import CalibInput, make_inputs
+    from fairprune.causal.forward import CalibInput
+    from fairprune.pruning.calibration import make_inputs
     from fairprune.pruning.sparsegpt import Hessian
 
     sides = [CalibInput(b.ids, False, None if b.mask is None else torch.cat([b.mask, b.mask]), b.attention)
@@ -103,8 +104,10 @@ def prune_same_tokens(model, sparsity, calib, pairs, pair_batch: int) -> float:
 @torch.no_grad()
 def block0_hessian_gap(model, calib, pairs, pair_batch: int) -> dict:
     """Largest |H_batched − H_per_pair| / max|H_per_pair| over block 0's layers (dense model)."""
-    from fairprune.families import family_of, linear_weight
-    from fairprune.pruning.calibration import _collect, capture_block_inputs, make_inputs
+    from fairprune.causal.blocks import Resident
+    from fairprune.causal.families import family_of, linear_weight
+    from fairprune.causal.forward import capture_block_inputs
+    from fairprune.pruning.calibration import _collect, make_inputs
     from fairprune.pruning.sparsegpt import PairedHessian
 
     family = family_of(model)
@@ -115,7 +118,7 @@ def block0_hessian_gap(model, calib, pairs, pair_batch: int) -> dict:
         ("batched", make_inputs(calib, pairs, 1, pair_batch), PairedHessian),
         ("per pair", [*make_inputs(calib, None, 1), *per_pair_inputs(pairs)], per_pair_statistic()),
     ]:
-        batches = capture_block_inputs(model, inputs, "cpu")
+        batches = capture_block_inputs(Resident(model), inputs, "cpu")
         stats = {name: stat_type(linear_weight(layer).shape[1]) for name, layer in layers.items()}
         _collect(0, block, layers, stats, batches)
         values[label] = {name: stats[name].value().double() for name in layers}
@@ -201,9 +204,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
+    from fairprune.causal.families import family_of, linear_weight
     from fairprune.data.pairs import lm_texts
     from fairprune.data.text import calibration_ids, paired_ids
-    from fairprune.families import family_of, linear_weight
     from fairprune.hub import converted, load_model, load_tokenizer, resolve_name
     from fairprune.metrics.language import eval_ids, perplexity
     from fairprune.pruning.calibration import PAIR_BATCH

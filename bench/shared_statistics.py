@@ -26,9 +26,11 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from fairprune.families import family_of, linear_weight
+from fairprune.causal.blocks import Resident
+from fairprune.causal.families import family_of, linear_weight
+from fairprune.causal.forward import capture_block_inputs
 from fairprune.models.deploy import time_side_by_side
-from fairprune.pruning.calibration import _collect, capture_block_inputs, make_inputs
+from fairprune.pruning.calibration import _collect, make_inputs
 from fairprune.pruning.sparsegpt import Hessian
 from fairprune.pruning.wanda import InputNorms
 
@@ -66,7 +68,7 @@ def main() -> None:
     family = family_of(model)
     ids = torch.randint(0, config.vocab_size, (args.nsamples, args.seqlen))
     with torch.no_grad():
-        batches = capture_block_inputs(model, make_inputs(ids, batch_size=1), "cpu")
+        batches = capture_block_inputs(Resident(model), make_inputs(ids, batch_size=1), "cpu")
     block = family.block_list(model)[0]
     layers = family.block_linears(block)
     result = {"settings": {**vars(args), "torch": torch.__version__, "python": platform.python_version(),

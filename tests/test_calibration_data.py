@@ -166,7 +166,7 @@ def test_debias_sparsegpt_calibrates_on_pairs_and_rendered_chat_rows(tmp_path):
     """The unpaired chat windows enter beside the pairs (the method's plain XXᵀ term)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from fairprune.pruning.blocks import Resident
+    from fairprune.causal.blocks import Resident
     from fairprune.pruning.options import SolverOptions
     from fairprune.pruning.sparsity import Sparsity
     from fairprune.workflows.lm_run import prune_run

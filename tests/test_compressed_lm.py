@@ -21,6 +21,7 @@ import pytest
 import torch
 import transformers as tf
 
+from fairprune.causal.blocks import Resident
 from fairprune.cli.prune import main as prune_main
 from fairprune.errors import UserError
 from fairprune.hub import load_model
@@ -28,7 +29,6 @@ from fairprune.hub.compressed import (
     SPARSE_24,
     SPARSE_BITMASK,
     compress_tensor,
-    compressed_modules,
     decompress_tensor,
     dense_weight_bytes,
     save_weights,
@@ -75,10 +75,10 @@ def _pruned(model_type: str, sparsity: str, dtype=torch.bfloat16) -> torch.nn.Mo
 ])
 def test_compressed_save_reloads_bit_identical_and_is_smaller(model_type, sparsity, fmt, noted, tmp_path):
     model = _pruned(model_type, sparsity)
-    facts = save_weights(model, tmp_path / "c", "compressed", Sparsity.parse(sparsity).nm)
+    facts = save_weights(model, tmp_path / "c", "compressed", Sparsity.parse(sparsity).nm, Resident(model).layers())
     assert facts["format"] == fmt and facts["save_format"] == "compressed" and facts["dtype"] == "bfloat16"
     assert (facts["note"] is not None) == noted
-    assert facts["compressed_layers"] == len(compressed_modules(model))
+    assert facts["compressed_layers"] == len(Resident(model).layers())
     loaded = load_model(str(tmp_path / "c"))
     assert type(loaded) is type(model)
     _assert_bit_identical(loaded, model)
@@ -102,7 +102,7 @@ def test_the_folder_holds_compressed_tensors_layout(tmp_path):
     from safetensors import safe_open
 
     model = _pruned("llama", "2:4")
-    save_weights(model, tmp_path / "24", "compressed", (2, 4))
+    save_weights(model, tmp_path / "24", "compressed", (2, 4), Resident(model).layers())
     config = json.loads((tmp_path / "24" / "config.json").read_text())["quantization_config"]
     assert config["quant_method"] == "compressed-tensors"
     sparsity = config["sparsity_config"]
@@ -120,7 +120,7 @@ def test_the_folder_holds_compressed_tensors_layout(tmp_path):
         assert f.get_tensor(f"{prefix}.shape").flatten().tolist() == [rows, cols]
 
     unstructured = _pruned("llama", "0.5")
-    save_weights(unstructured, tmp_path / "u", "compressed", None)
+    save_weights(unstructured, tmp_path / "u", "compressed", None, Resident(unstructured).layers())
     weight = unstructured.model.layers[1].self_attn.o_proj.weight.detach()
     with safe_open(str(tmp_path / "u" / "model.safetensors"), "pt") as f:
         prefix = "model.layers.1.self_attn.o_proj"
@@ -252,7 +252,7 @@ def test_a_folder_that_does_not_match_its_model_is_one_line(tmp_path):
     from safetensors.torch import load_file, save_file
 
     model = _pruned("llama", "0.5")
-    save_weights(model, tmp_path / "c", "compressed", None)
+    save_weights(model, tmp_path / "c", "compressed", None, Resident(model).layers())
     state = load_file(tmp_path / "c" / "model.safetensors")
     del state["model.norm.weight"]
     save_file(state, tmp_path / "c" / "model.safetensors", metadata={"format": "pt"})
@@ -294,5 +294,5 @@ def test_post_training_callback_writes_a_compressed_folder(tmp_path):
     assert report["weights"]["save_format"] == "compressed" and report["weights"]["format"] == SPARSE_BITMASK
     model = load_model(str(out))
     assert report["achieved_sparsity"] == pytest.approx(0.5, abs=1e-6)
-    zeros = torch.cat([(layer.weight == 0).flatten() for layer in compressed_modules(model).values()])
+    zeros = torch.cat([(layer.weight == 0).flatten() for layer in Resident(model).layers().values()])
     assert zeros.float().mean().item() == pytest.approx(0.5, abs=1e-6)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fairprune.families import family_of, linear_weight, set_linear_weight
+from fairprune.causal.families import family_of, linear_weight, set_linear_weight
 from fairprune.pruning.calibration import make_inputs, run_layerwise
 from fairprune.pruning.llm import prune_causal_lm
 from fairprune.pruning.sparsegpt import PairedHessian, sparsegpt_solve

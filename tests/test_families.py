@@ -20,14 +20,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from fairprune.causal.blocks import Resident
+from fairprune.causal.families import family_of, linear_weight
+from fairprune.causal.forward import CalibInput, capture_block_inputs, run_block
+from fairprune.causal.streamed import StreamedModel
 from fairprune.cli.prune import main as prune_main
-from fairprune.families import family_of, linear_weight
 from fairprune.hub.shards import ShardWriter
-from fairprune.pruning.blocks import Resident
-from fairprune.pruning.calibration import CalibInput, capture_block_inputs, run_block
 from fairprune.pruning.llm import prune_causal_lm
 from fairprune.pruning.sparsity import Sparsity
-from fairprune.pruning.streamed import StreamedModel
 from test_llm_pruning import obs_oracle
 from tiny_models import BUILDERS, VOCAB, builder, write_gguf
 
@@ -232,7 +232,7 @@ def test_the_override_row_of_the_docs_works(monkeypatch):
     """docs/extending.md's example row, run as written: GPT-J's heads located, its MLP alone pruned."""
     import transformers as tf
 
-    from fairprune import families
+    from fairprune.causal import families
     from fairprune.pruning.heads import HeadGates, remove_heads
 
     text = (Path(__file__).resolve().parents[1] / "docs" / "extending.md").read_text()

@@ -21,11 +21,12 @@ import pytest
 import torch
 
 from cli_output import last_error
+from fairprune.causal.blocks import Resident
+from fairprune.causal.streamed import StreamedModel
 from fairprune.cli.prune import main as prune_main
 from fairprune.errors import UserError
 from fairprune.hub import load_model, shards
 from fairprune.hub.shards import INDEX, SINGLE, ShardReader
-from fairprune.pruning.streamed import StreamedModel
 from tiny_models import BUILDERS, tiny_gpt2_folder
 
 FAST = ["--nsamples", "2", "--seqlen", "32", "--device", "cpu", "--quiet", "--dense_cache", "false",
@@ -163,7 +164,7 @@ def test_plain_transformers_refuses_a_compressed_folder_fairprune_reads_it_bit_f
     torch.manual_seed(0)
     model = BUILDERS["llama"]().eval()
     prune_causal_lm(model, "magnitude", Sparsity.parse("0.5"), progress=False)
-    save_weights(model, tmp_path / "c", "compressed")
+    save_weights(model, tmp_path / "c", "compressed", None, Resident(model).layers())
     with pytest.raises(ValueError, match=r"fairprune\.hub\.load_model.*--save_format dense"):
         tf.AutoModelForCausalLM.from_pretrained(tmp_path / "c")
     loaded = load_model(str(tmp_path / "c"))

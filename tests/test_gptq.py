@@ -14,9 +14,9 @@ import pytest
 import torch
 from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 
+from fairprune.causal.blocks import Resident
 from fairprune.errors import UserError
 from fairprune.hub.quantized import group_scale, load_quantized, save_quantized, weight_args
-from fairprune.pruning.blocks import Resident
 from fairprune.pruning.gptq import LayerQuantizer, gptq_quantize
 from fairprune.pruning.llm import magnitude_solve, prune_causal_lm
 from fairprune.pruning.sparsegpt import sparsegpt_solve
@@ -93,7 +93,8 @@ def test_every_method_keeps_its_sparsity_and_the_folder_holds_the_gptq_weights(m
     if method != "sparsegpt":  # a mask from the weights alone: the very same mask, then quantized
         assert result["achieved_sparsity"] >= reached
     assert result["achieved_sparsity"] >= 0.5 and len(blocks.quantizer.scales) == 14
-    facts = save_quantized(model, tmp_path / "q", "w4a16-gptq", 128, progress=False, scales=blocks.quantizer.scales)
+    facts = save_quantized(model, tmp_path / "q", "w4a16-gptq", 128, layers=blocks.layers(), progress=False,
+                           scales=blocks.quantizer.scales)
     assert facts["quantization"]["rounding"] == "gptq" and facts["quantization"]["layer_ratio"] <= 0.30
     loaded = load_quantized(tmp_path / "q", torch.float32, progress=False)
     for name, module in model.named_modules():

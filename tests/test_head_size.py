@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import tiny_models
-from fairprune.families import family_of, linear_weight
+from fairprune.causal.families import family_of, linear_weight
 from fairprune.pruning.head_size import measure, removal_size, summary
 from fairprune.pruning.heads import remove_heads
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tiny_models
+from fairprune.causal.families import family_of, linear_weight
 from fairprune.errors import UserError
-from fairprune.families import family_of, linear_weight
 from fairprune.pruning.heads import HeadGates, head_weight_norms, remove_heads
 from tiny_models import VOCAB
 

@@ -122,16 +122,19 @@ def test_lm_commands_refuse_windows_below_two_tokens(model, tokenizer, corpus, t
 # --------------------------------------------------------------------------------------------
 
 
-class UnigramLM(nn.Module):
-    """A causal LM whose next-token distribution is fixed: log-likelihoods are known in closed form."""
-
-    def __init__(self, logits: torch.Tensor):
-        super().__init__()
-        self.table = nn.Parameter(logits.clone())
-        self.config = tf.PretrainedConfig()
-
-    def forward(self, input_ids, attention_mask=None, use_cache=False):
-        return tf.modeling_outputs.CausalLMOutput(logits=self.table.expand(*input_ids.shape, -1))
+def unigram_lm(vocab: int, logits: torch.Tensor) -> nn.Module:
+    """A real causal LM (Llama) whose next-token distribution is fixed, so log-likelihoods are known
+    in closed form: every token embeds to ones, the blocks add nothing (their output projections
+    are zero), the final norm keeps ones, and the head's rows are ``logits / hidden``."""
+    hidden = 8
+    config = tf.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=16, num_hidden_layers=1,
+                            num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=False)
+    model = tf.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.fill_(1.0 if "norm" in name or "embed" in name else 0.0)
+        model.lm_head.weight.copy_((logits / hidden)[:, None].expand(vocab, hidden))
+    return model
 
 
 def test_stereotype_score_known_answer(tokenizer):
@@ -139,7 +142,7 @@ def test_stereotype_score_known_answer(tokenizer):
     assert tokenizer.unk_token_id not in (she, he) and she != he
     logits = torch.zeros(len(tokenizer))
     logits[she] = 4.0  # " she" is far more likely than " he"; everything else is equal
-    lm = UnigramLM(logits)
+    lm = unigram_lm(len(tokenizer), logits)
     pairs = [
         ("The nurse said that she left.", "The nurse said that he left."),  # stereotype wins
         ("The cashier knew she was late.", "The cashier knew he was late."),  # stereotype wins

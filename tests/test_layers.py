@@ -3,7 +3,7 @@ and no module imports itself back through others.
 
 Layers, top to bottom (a module may import its own package or any layer below it):
 
-    cli → workflows → callbacks → models → pruning → metrics → data → reporting → hub, families → causal → storage → distributed → errors
+    cli → workflows → callbacks → models → pruning → metrics → data → reporting → causal → hub → storage → distributed → errors
 
 ``storage`` (atomic writes, the run lock) is file infrastructure: every layer that writes may use it.
 
@@ -19,7 +19,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "fairprune"
 
-LAYERS = ["cli", "workflows", "callbacks", "models", "pruning", "metrics", "data", "reporting", "hub", "families", "causal", "storage memory", "distributed", "errors"]
+LAYERS = ["cli", "workflows", "callbacks", "models", "pruning", "metrics", "data", "reporting", "causal", "hub", "storage memory", "distributed", "errors"]
 RANK = {name: len(LAYERS) - i for i, layer in enumerate(LAYERS) for name in layer.split()}
 RANK["__init__"] = 0  # the package's own __init__ holds the version only
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 import transformers as tf
 
+from fairprune.causal.families import FAMILIES, family_of, linear_weight
 from fairprune.errors import UserError
-from fairprune.families import FAMILIES, family_of, linear_weight
 from fairprune.pruning.calibration import make_inputs, run_layerwise
 from fairprune.pruning.llm import prune_causal_lm, sparsity_by_layer
 from fairprune.pruning.sparsegpt import Hessian, PairedHessian, inverse_hessian_cholesky, sparsegpt_solve
@@ -344,13 +344,15 @@ def test_layers_reading_one_input_share_one_statistic(model_type):
     """Layers fed the very same tensor (q, k, v; gate and up) share one statistic object, and its
     value is what each layer's own statistic holds when nothing is shared, for the Hessian, the
     paired Hessian (plain and paired batches) and Wanda's norms."""
-    from fairprune.pruning.calibration import _collect, capture_block_inputs
+    from fairprune.causal.blocks import Resident
+    from fairprune.causal.forward import capture_block_inputs
+    from fairprune.pruning.calibration import _collect
 
     model = build(model_type)
     family = family_of(model)
     g = torch.Generator().manual_seed(2)
     pairs = (torch.randint(0, VOCAB, (3, 10), generator=g), torch.randint(0, VOCAB, (3, 10), generator=g))
-    batches = capture_block_inputs(model, make_inputs(calib(5, 12), pairs, batch_size=2), "cpu")
+    batches = capture_block_inputs(Resident(model), make_inputs(calib(5, 12), pairs, batch_size=2), "cpu")
     block = family.block_list(model)[0]
     layers = family.block_linears(block)
     for make in (Hessian, PairedHessian, InputNorms):

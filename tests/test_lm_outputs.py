@@ -24,8 +24,8 @@ import torch
 import transformers as tf
 import yaml
 
+from fairprune.causal.families import family_of, linear_weight
 from fairprune.cli.prune import main as prune_main
-from fairprune.families import family_of, linear_weight
 from tiny_models import tiny_gpt2_folder
 
 FAST = ["--nsamples", "2", "--seqlen", "32", "--device", "cpu", "--quiet", "--dense_cache", "false", "--eval_tokens", "256"]

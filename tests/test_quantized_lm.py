@@ -19,6 +19,7 @@ import pytest
 import torch
 import transformers as tf
 
+from fairprune.causal.blocks import Resident
 from fairprune.cli.prune import main as prune_main
 from fairprune.errors import UserError
 from fairprune.hub.quantized import layer_group, load_quantized, save_quantized
@@ -62,7 +63,7 @@ def test_pruned_zeros_stay_zero_and_the_layers_shrink(model_type, scheme, bits, 
     else:
         model = _pruned(model_type)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    facts = save_quantized(model, tmp_path / "q", scheme, 128)
+    facts = save_quantized(model, tmp_path / "q", scheme, 128, layers=Resident(model).layers())
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # the float model is left as it was
     quant = facts["quantization"]
     assert facts["format"] == quant["format"] == "pack-quantized" and quant["bits"] == bits
@@ -90,7 +91,7 @@ def test_pruned_zeros_stay_zero_and_the_layers_shrink(model_type, scheme, bits, 
 
 def test_plain_transformers_in_a_fresh_process_gives_fairprunes_logits(tmp_path):
     model = _pruned("llama")
-    save_quantized(model, tmp_path / "q", "w4a16", 128)
+    save_quantized(model, tmp_path / "q", "w4a16", 128, layers=Resident(model).layers())
     ids = [[5, 17, 3, 60, 42, 8, 11, 90, 2, 33]]
     script = (
         "import sys, torch\n"
@@ -116,7 +117,8 @@ def test_plain_transformers_in_a_fresh_process_gives_fairprunes_logits(tmp_path)
 
 def test_a_conv1d_model_is_refused_in_one_line(tmp_path):
     with pytest.raises(UserError, match="Conv1D, not a Linear"):
-        save_quantized(_pruned("gpt2"), tmp_path / "q", "w4a16")
+        gpt2 = _pruned("gpt2")
+        save_quantized(gpt2, tmp_path / "q", "w4a16", layers=Resident(gpt2).layers())
 
 
 @pytest.fixture(scope="module")

@@ -170,7 +170,7 @@ registry.register(Method("toy-columns", "lm", "zero the input columns with the l
 def test_toy_lm_method_plugin_runs_from_the_command_line(tmp_path):
     import transformers as tf
 
-    from fairprune.families import family_of, linear_weight
+    from fairprune.causal.families import family_of, linear_weight
 
     tiny_gpt2_folder(tmp_path)
     (tmp_path / "plugins").mkdir()

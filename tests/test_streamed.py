@@ -18,13 +18,12 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from cli_output import last_error
+from fairprune.causal.streamed import StreamedModel
 from fairprune.cli.prune import main as prune_main
 from fairprune.hub.shards import INDEX, ShardReader, ShardWriter
 from fairprune.metrics.language import measure_lm_items, perplexity_of, window_losses
-from fairprune.metrics.streamed import measure_streamed, streamed_window_losses
 from fairprune.pruning.llm import prune_causal_lm
 from fairprune.pruning.sparsity import Sparsity
-from fairprune.pruning.streamed import StreamedModel
 from tiny_models import BUILDERS, VOCAB, tiny_gpt2_folder
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,7 +109,7 @@ def test_streamed_pruning_equals_in_memory(folders, model_type, method, tmp_path
     pruned_nll, _ = window_losses(reference, ids, seqlen=SEQ, batch_size=8)
 
     sm = StreamedModel(folders[model_type])
-    streamed_dense, streamed_count = streamed_window_losses(sm, ids, SEQ)
+    streamed_dense, streamed_count = window_losses(sm, ids, seqlen=SEQ)
     writer = ShardWriter(tmp_path, sm.output_tensors(), max_shard_size="100KB", total_parameters=sm.num_parameters())
     result = prune_causal_lm(sm, method, sparsity, calib, writer=writer, progress=False)
     writer.close()
@@ -123,7 +122,7 @@ def test_streamed_pruning_equals_in_memory(folders, model_type, method, tmp_path
     for name, want in reference.state_dict().items():
         assert torch.equal(got[name] == 0, want == 0), name
         torch.testing.assert_close(got[name], want, rtol=1e-6, atol=1e-7)
-    streamed_pruned, _ = streamed_window_losses(StreamedModel(tmp_path), ids, SEQ)
+    streamed_pruned, _ = window_losses(StreamedModel(tmp_path), ids, seqlen=SEQ)
     assert torch.equal(streamed_count, count)
     np.testing.assert_allclose(streamed_dense.numpy(), dense_nll.numpy(), rtol=1e-6)
     np.testing.assert_allclose(streamed_pruned.numpy(), pruned_nll.numpy(), rtol=1e-6)
@@ -169,7 +168,7 @@ def test_streamed_half_precision_equals_in_memory(folders, dtype, tmp_path):
     for name, want in reference.state_dict().items():
         assert got[name].dtype == dtype and torch.equal(got[name], want), name
     nll, count = window_losses(reference, ids, seqlen=SEQ, batch_size=8)
-    streamed, _ = streamed_window_losses(StreamedModel(tmp_path, dtype), ids, SEQ)
+    streamed, _ = window_losses(StreamedModel(tmp_path, dtype), ids, seqlen=SEQ)
     assert perplexity_of(streamed, count) == pytest.approx(perplexity_of(nll, count), rel=1e-5)
 
 
@@ -178,7 +177,7 @@ def test_streamed_measurement_equals_measure_lm_items(tiny_lm):
     as the in-memory measurement gives them; small hidden-state budgets give the same items."""
     from fairprune.data.pairs import lm_texts
     from fairprune.hub import load_tokenizer
-    from fairprune.metrics.language import eval_ids
+    from fairprune.metrics.language import LMItems, eval_ids, eval_windows, measure_items, scores_of
 
     texts = lm_texts(None, str(tiny_lm / "eval.txt"))
     tokenizer = load_tokenizer(str(tiny_lm / "dense"))
@@ -187,7 +186,10 @@ def test_streamed_measurement_equals_measure_lm_items(tiny_lm):
     figures, items = measure_lm_items(model, tokenizer, ids, texts.eval_pairs, SEQ, "cpu")
     sm = StreamedModel(tiny_lm / "dense")
     for budget in (512 * 1024 * 1024, 64 * 1024):  # all batches at once; several passes over the blocks
-        got, got_items = measure_streamed(sm, tokenizer, ids, texts.eval_pairs, SEQ, max_hidden_bytes=budget)
+        nll, count, outcomes = measure_items(sm, tokenizer, eval_windows(sm.model, ids, SEQ), texts.eval_pairs,
+                                             max_hidden_bytes=budget)
+        got = {"perplexity": perplexity_of(nll, count), **scores_of(**outcomes)}
+        got_items = LMItems(nll.numpy(), count.numpy(), *(outcomes[k].numpy() for k in ("win", "decided", "anti")))
         assert got["perplexity"] == pytest.approx(figures["perplexity"], rel=1e-6)
         assert {k: v for k, v in got.items() if k != "perplexity" and v == v} == {
             k: v for k, v in figures.items() if k != "perplexity" and v == v}

@@ -100,7 +100,7 @@ def runs(tiny_lm, tmp_path_factory, one_thread) -> dict:
 
 def masks(folder: Path) -> dict[str, torch.Tensor]:
     """Zero masks of every prunable block layer of the saved model."""
-    from fairprune.families import family_of, linear_weight
+    from fairprune.causal.families import family_of, linear_weight
     from fairprune.pruning.llm import block_targets
 
     model = AutoModelForCausalLM.from_pretrained(folder)
@@ -356,11 +356,11 @@ def prune_tiny_models_streamed(root: Path | str, tag: str) -> dict[str, dict]:
     ``root/<tag>-<run>``; per run that folder and the per-window NLL of 40 windows measured streamed
     from it. Collective under a process group, alone otherwise."""
     from fairprune import distributed
+    from fairprune.causal.streamed import StreamedModel
     from fairprune.hub.shards import ShardWriter
-    from fairprune.metrics.streamed import streamed_window_losses
+    from fairprune.metrics.language import window_losses
     from fairprune.pruning.llm import prune_causal_lm
     from fairprune.pruning.sparsity import Sparsity
-    from fairprune.pruning.streamed import StreamedModel
 
     calib, eval_ids, pairs = tiny_data()
     root, out = Path(root), {}
@@ -374,7 +374,7 @@ def prune_tiny_models_streamed(root: Path | str, tag: str) -> dict[str, dict]:
             writer.close()
             sm.write_model_files(folder)
         written = Path(distributed.broadcast_text(str(folder) if writer is not None else None))
-        nll, count = streamed_window_losses(StreamedModel(written), eval_ids, 16)
+        nll, count = window_losses(StreamedModel(written), eval_ids, seqlen=16)
         out[f"{family} {method} {sparsity}"] = {"folder": str(written), "nll": nll, "count": count}
     return out
 

@@ -89,7 +89,7 @@ def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
         return named[0]
     if not lists:
         raise UserError(f"{_name(model)} has no nn.ModuleList of decoder layers, so it cannot be read block by block "
-                        "(add a row with `blocks` to fairprune.families.FAMILIES if its layers live elsewhere)")
+                        "(add a row with `blocks` to fairprune.causal.families.FAMILIES if its layers live elsewhere)")
     pool = named or lists
     return max(pool, key=lambda item: sum(p.numel() for p in item[1].parameters()))
 
@@ -193,7 +193,7 @@ def discover(model: nn.Module, load: Callable[..., Any] | None = None, device="c
     between = [n for n, m in seen["between"] if any(True for _ in m.parameters())]
     if between:
         raise UserError(f"{_name(model)} runs {', '.join(between)} between its decoder layers; the LM methods read a "
-                        "model whose layers follow one another (add a row to fairprune.families.FAMILIES to override)")
+                        "model whose layers follow one another (add a row to fairprune.causal.families.FAMILIES to override)")
     front = tuple(n for n, m in _outermost(seen["front"]) if _has_state(m))
     tail = tuple(n for n, _ in _outermost(seen["tail"]))
     _check_alike(model, blocks, set(linears.values()))

@@ -174,25 +174,22 @@ def load_model(name_or_path: str, task: str = "causal-lm", trust_remote_code: bo
 
 
 def _stored_codes(model: Any, stored: dict[str, dict[str, Any]]) -> dict[str, str]:
-    """The safetensors dtype codes of ``model``'s prunable weights (:mod:`fairprune.families`) as
-    the checkpoint stores them (by their name, or by it without the base-model prefix); a model of
-    no known family has none."""
-    from fairprune.families import family_of
+    """The safetensors dtype codes of ``model``'s linear weights (``nn.Linear`` and transformers'
+    ``Conv1D``, the layers pruning changes; the output head aside) as the checkpoint stores them (by
+    their name, or by it without the base-model prefix)."""
+    from torch import nn
+    from transformers.pytorch_utils import Conv1D
 
-    try:
-        family = family_of(model)
-    except (UserError, ValueError, AttributeError):
-        return {}
-    names = {id(m): n for n, m in model.named_modules()}
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     base = getattr(model, "base_model_prefix", "") or ""
     codes = {}
-    for block in family.block_list(model):
-        for layer in family.block_linears(block).values():
-            name = f"{names[id(layer)]}.weight"
-            for key in (name, name.removeprefix(f"{base}.")):
-                if key in stored:
-                    codes[key] = stored[key]["dtype"]
-                    break
+    for name, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, Conv1D)) or module is head:
+            continue
+        for key in (f"{name}.weight", f"{name}.weight".removeprefix(f"{base}.")):
+            if key in stored:
+                codes[key] = stored[key]["dtype"]
+                break
     return codes
 
 

@@ -8,6 +8,7 @@ model they are about to save: a NaN or inf weight is never pruned, measured or k
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -80,6 +81,17 @@ def check_input_model(model: nn.Module, source: str) -> None:
         raise UserError(f"the input model '{source}' is broken: parameter {found[0]} holds {found[1]}; nothing was "
                         "pruned, measured or written (give a model whose weights are finite, e.g. re-export it from a "
                         "run that did not diverge)")
+
+
+def check_result(model, output: str | os.PathLike, method: str | None = None) -> None:
+    """Refuse to save a model whose weights are not finite (the input was checked when it was
+    loaded, so the pruning produced it): one line, nothing written."""
+    found = nonfinite(model)
+    if found is not None:
+        what = f"pruning with {method}" if method else "the pruning"
+        raise UserError(f"{what} produced a broken model: parameter {found[0]} holds {found[1]} (the input model "
+                        f"was finite); nothing was written to '{output}' (try another method, sparsity or "
+                        "calibration set)")
 
 
 def saved_bytes(model: nn.Module, tokenizer: Any = None) -> int:

@@ -15,7 +15,7 @@ config classes and the bit packing):
 
 Values keep the weight's dtype; an entry is stored when any bit of it is set, so a ``-0.0`` comes back
 as ``-0.0`` and the weights reload bit for bit. The compressed modules are the prunable layers of the
-transformer blocks (:mod:`fairprune.families`); embeddings, norms and the LM head stay dense tensors.
+transformer blocks (:mod:`fairprune.causal.families`); embeddings, norms and the LM head stay dense tensors.
 ``config.json`` gains ``quantization_config = {"quant_method": "compressed-tensors", "format":
 "dense", "sparsity_config": {format, targets, ignore, global_sparsity, sparsity_structure, ...},
 "version": ...}``.
@@ -45,7 +45,6 @@ import torch
 from torch import nn
 
 from fairprune.errors import UserError
-from fairprune.families import family_of
 from fairprune.hub.checks import saved_bytes
 from fairprune.hub.formats import DTYPES, SAVE_FORMATS
 
@@ -91,18 +90,6 @@ def weight_file_bytes(folder: str | os.PathLike) -> int:
 
 
 # -- which tensors are compressed ---------------------------------------------------------------
-def compressed_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """The prunable layers of every transformer block, by their full module name (the state-dict
-    prefix of their weight)."""
-    family = family_of(model)
-    names = {id(module): name for name, module in model.named_modules()}
-    found = {}
-    for block in family.block_list(model):
-        for layer in family.block_linears(block).values():
-            found[names[id(layer)]] = layer
-    return found
-
-
 def _present(tensor: torch.Tensor) -> torch.Tensor:
     """Entries with any bit set (``-0.0`` counts: it is stored and comes back as it was)."""
     bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
@@ -192,16 +179,18 @@ def _zero_percent(model: nn.Module) -> float:
     return 100.0 * zeros / max(total, 1)
 
 
-def save_compressed(model: nn.Module, folder: str | os.PathLike, nm: tuple[int, int] | None = None) -> dict[str, Any]:
-    """Write ``model`` into ``folder`` (``save_pretrained`` with the block layers compressed) and add the
-    sparsity config to its ``config.json``; ``nm``: the N:M pattern it was pruned to (None:
-    unstructured). Returns the facts: format, structure, compressed layers, note."""
+def save_compressed(model: nn.Module, folder: str | os.PathLike, layers: dict[str, nn.Module],
+                    nm: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Write ``model`` into ``folder`` (``save_pretrained`` with ``layers``, the prunable block layers
+    by full module name, compressed) and add the sparsity config to its ``config.json``; ``nm``: the
+    N:M pattern it was pruned to (None: unstructured). Returns the facts: format, structure,
+    compressed layers, note."""
     try:
         from compressed_tensors.config import SparsityCompressionConfig
     except ImportError as err:  # a declared dependency; an environment without it cannot write the format
         raise UserError("--save_format compressed needs the compressed-tensors package (pip install "
                         "'compressed-tensors>=0.20'); or use --save_format dense") from err
-    modules = compressed_modules(model)
+    modules = layers
     weights = {name: module.weight.detach() for name, module in modules.items()}
     for name, w in weights.items():
         if w.dim() != 2:
@@ -329,15 +318,18 @@ def load_compressed(folder: str | os.PathLike, task_class: Any, dtype: torch.dty
 
 
 def save_weights(model: nn.Module, folder: str | os.PathLike, save_format: str = "dense",
-                 nm: tuple[int, int] | None = None) -> dict[str, Any]:
-    """Write ``model``'s weights into ``folder`` in ``save_format`` and measure them: the
+                 nm: tuple[int, int] | None = None, layers: dict[str, nn.Module] | None = None) -> dict[str, Any]:
+    """Write ``model``'s weights into ``folder`` in ``save_format`` (``compressed``: ``layers``, the
+    prunable block layers by full module name, are the ones compressed) and measure them: the
     ``weights`` block of a run's report (``dense_bytes``: what ``save_pretrained`` writes in the
     same dtype, computed; ``file_bytes``: the weight files written, measured; ``ratio``)."""
     check_save_format(save_format)
     dense = dense_weight_bytes(model)
     facts: dict[str, Any] = {"save_format": save_format, "dtype": dtype_name(next(model.parameters()).dtype)}
     if save_format == "compressed":
-        facts.update(save_compressed(model, folder, nm))
+        if layers is None:
+            raise ValueError("save_weights: --save_format compressed needs the prunable layers (a block model's layers())")
+        facts.update(save_compressed(model, folder, layers, nm))
     else:
         model.save_pretrained(folder)
         facts["format"] = "dense"

@@ -1,6 +1,6 @@
 """Pruned LM folders with 4- or 8-bit weights that plain transformers loads: ``--quantize w4a16 | w8a16``.
 
-After pruning, every prunable layer of the transformer blocks (:func:`fairprune.families.family_of`'s
+After pruning, every prunable layer of the transformer blocks (:func:`fairprune.causal.families.family_of`'s
 ``block_linears``; embeddings, norms and the LM head stay as they are) is quantized per group along
 its input: symmetric integers (``int4`` in [-8, 7] or ``int8`` in [-128, 127]), one scale per group
 of ``group_size`` consecutive inputs of a row, zero point 0. A pruned zero is therefore stored as
@@ -89,11 +89,9 @@ def layer_group(width: int, group_size: int) -> int | None:
     return None
 
 
-def quantized_layers(model: nn.Module) -> dict[str, nn.Linear]:
-    """The prunable layers of every block by full module name, each checked to be an ``nn.Linear``."""
-    from fairprune.hub.compressed import compressed_modules
-
-    layers = compressed_modules(model)
+def linear_layers(layers: dict[str, nn.Module]) -> dict[str, nn.Module]:
+    """``layers`` (the prunable block layers by full module name: a block model's ``layers()``),
+    each checked to be an ``nn.Linear``, the only layer compressed-tensors quantizes."""
     for name, layer in layers.items():
         if not isinstance(layer, nn.Linear):
             raise UserError(f"--quantize: block layer {name} is a {type(layer).__name__}, not a Linear; compressed-tensors "
@@ -101,26 +99,13 @@ def quantized_layers(model: nn.Module) -> dict[str, nn.Linear]:
     return layers
 
 
-def block_layers(blocks) -> dict[str, nn.Module]:
-    """The prunable layers of a block model (:mod:`fairprune.pruning.blocks`, in memory or streamed:
-    no weights read) by full module name, each checked to be an ``nn.Linear``."""
-    layers = {blocks.prefix(layer)[:-1]: layer for block in blocks.blocks
-              for layer in blocks.family.block_linears(block).values()}
-    for name, layer in layers.items():
-        if not isinstance(layer, nn.Linear):
-            raise UserError(f"--quantize: block layer {name} is a {type(layer).__name__}, not a Linear; compressed-tensors "
-                            "quantizes Linear layers only (GPT-2's Conv1D among them): leave --quantize out for this model")
-    return layers
-
-
-def check_groups(model: nn.Module | dict[str, nn.Module], group_size: int) -> dict[str, int]:
-    """The group size of every quantized layer (``model``: a model, or its layers by full name),
+def check_groups(layers: dict[str, nn.Module], group_size: int) -> dict[str, int]:
+    """The group size of every quantized layer (``layers``: by full name, :func:`linear_layers`),
     refused in one line when a layer has none (:func:`layer_group`): one size for the whole
     model, the smallest of the layers' own, which divides every width (powers of two). One size
     because transformers' dequantize-on-load (``CompressedTensorsConfig(dequantize=True)``, 5.x)
     applies one group size to every layer of a checkpoint."""
     groups = {}
-    layers = model if isinstance(model, dict) else quantized_layers(model)
     for name, layer in layers.items():
         group = layer_group(layer.in_features, group_size)
         if group is None:
@@ -176,18 +161,20 @@ def quantization_config(groups: dict[str, int], bits: int) -> Any:
     return QuantizationConfig(config_groups=schemes, ignore=["lm_head"], format=FORMAT)
 
 
-def save_quantized(model: nn.Module, folder: str | os.PathLike, quantize: str, group_size: int = 128,
-                   progress: bool = True, scales: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
-    """Write a quantized copy of ``model`` into ``folder`` (``model`` itself is left as it is) and
+def save_quantized(model: nn.Module, folder: str | os.PathLike, quantize: str, group_size: int = 128, *,
+                   layers: dict[str, nn.Module], progress: bool = True,
+                   scales: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
+    """Write a quantized copy of ``model`` into ``folder`` (``model`` itself is left as it is;
+    ``layers``: the prunable block layers by full module name, the ones quantized) and
     return the ``weights`` facts of the folder with its ``quantization`` facts inside. ``scales``:
     a layer's scales by full module name where GPTQ chose them (its weights on their grid),
     else they come from the weights."""
     with _quiet_bars(progress):
-        return _save_quantized(model, folder, quantize, group_size, scales or {})
+        return _save_quantized(model, folder, quantize, group_size, linear_layers(layers), scales or {})
 
 
 def _save_quantized(model: nn.Module, folder: str | os.PathLike, quantize: str, group_size: int,
-                    scales: dict[str, torch.Tensor]) -> dict[str, Any]:
+                    layers: dict[str, nn.Module], scales: dict[str, torch.Tensor]) -> dict[str, Any]:
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import QuantizationStatus, apply_quantization_config
 
@@ -195,7 +182,7 @@ def _save_quantized(model: nn.Module, folder: str | os.PathLike, quantize: str, 
 
     check_quantize(quantize, group_size)
     bits = BITS[quantize]
-    groups = check_groups(model, group_size)
+    groups = check_groups(layers, group_size)
     dtype = save_dtype(next(model.parameters()).dtype)
     copy_ = copy.deepcopy(model).to(dtype)
     dense_bytes = dense_weight_bytes(copy_)  # what save_pretrained writes for the dense model in this dtype

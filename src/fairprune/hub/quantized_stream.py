@@ -122,7 +122,7 @@ def open_reader(folder: str | os.PathLike):
 
 
 class QuantizedReader(ShardReader):
-    """A pack-quantized folder read tensor by tensor (a streamed run, :mod:`fairprune.pruning.streamed`):
+    """A pack-quantized folder read tensor by tensor (a streamed run, :mod:`fairprune.causal.streamed`):
     each quantized layer shows as its ``<layer>.weight``, decompressed when read by
     compressed-tensors' ``PackedQuantizationCompressor.decompress`` (the integers times their
     scale, in the scale's 16-bit dtype: what ``from_pretrained`` with ``dequantize=True`` holds),

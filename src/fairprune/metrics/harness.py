@@ -349,9 +349,11 @@ class TaskResults:
 
 def run_tasks(model, tokenizer, specs: Sequence[TaskSpec], *, limit: float | None = None, num_fewshot: int | None = None,
               batch_size: int = 16, device: Any = None, progress: bool = True, seed: int = 0,
-              offload: str | None = None) -> TaskResults:
+              streamed: bool = False) -> TaskResults:
     """Evaluate ``model`` (in memory) on ``specs`` through lm-eval; the figures are recomputed from
-    the logged samples. ``limit`` and ``num_fewshot`` are passed through as lm-eval reads them."""
+    the logged samples. ``limit`` and ``num_fewshot`` are passed through as lm-eval reads them.
+    ``streamed``: the model's parameters stay on ``meta`` and each part is read in by hooks as the
+    forward reaches it (:meth:`fairprune.causal.streamed.StreamedModel.runnable`)."""
     import torch
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
@@ -360,13 +362,13 @@ def run_tasks(model, tokenizer, specs: Sequence[TaskSpec], *, limit: float | Non
     configs = [task_config(s.name, s.data) if s.data else s.name for s in specs]
     stock = any(isinstance(c, str) for c in configs)
     device = str(device or next(model.parameters()).device)
-    if not offload:  # a model with accelerate's offload hooks stays where they put it
+    if not streamed:  # a streamed model's parts are loaded onto the device by its hooks
         model.to(device)
     was_training = model.training
     try:
         with _quiet(progress):
             lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
-            if offload:  # HFLM takes a given model's device from its parameters: "meta" where accelerate put them on disk
+            if streamed:  # HFLM takes a given model's device from its parameters: "meta" until a part is read
                 lm._device = torch.device(device)
             results = simple_evaluate(model=lm, tasks=configs, limit=limit, num_fewshot=num_fewshot, log_samples=True,
                                       bootstrap_iters=0, task_manager=_manager(stock), verbosity="ERROR",

@@ -41,9 +41,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
 from fairprune import distributed
+from fairprune.causal.blocks import as_blocks, device_of
 from fairprune.data.pairs import direction
 from fairprune.data.text import document_start, encode_sentence, join_documents  # noqa: F401 (document_start: public here too)
 from fairprune.errors import UserError
@@ -84,58 +84,44 @@ def perplexity_of(nll: torch.Tensor | Iterable[float], count: torch.Tensor | Ite
     return math.exp(mean)
 
 
+WINDOW_BATCH = 8  # evaluation windows per forward batch
+SENTENCE_BATCH = 16  # stereotype-pair sentences per forward batch (8 pairs, right-padded)
+LOGIT_ROWS = 16  # positions whose vocabulary-wide logits are made at once (a 49k vocabulary: 3 MB of float32)
+MAX_HIDDEN_BYTES = 512 * 1024 * 1024  # hidden states held at once; a larger set is measured in chunks
+
+
 @torch.no_grad()
 def window_losses(
-    model: nn.Module,
+    model,
     text_or_ids: str | Iterable[str] | torch.Tensor,
     tokenizer=None,
     seqlen: int | None = None,
     device: str | torch.device | None = None,
-    batch_size: int = 1,
+    batch_size: int = WINDOW_BATCH,
     max_tokens: int | None = None,
     progress: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per window, in order: the summed NLL of its predicted tokens and their number (float64
     [windows] each); :func:`perplexity` of the whole text is :func:`perplexity_of` them, and its
-    interval over windows resamples them (:mod:`fairprune.metrics.bootstrap`). Arguments as
-    :func:`perplexity`; collective under ``torch.distributed`` like it."""
+    interval over windows resamples them (:mod:`fairprune.metrics.bootstrap`). ``model``: an
+    ``nn.Module`` or a block model. Arguments as :func:`perplexity`; collective under
+    ``torch.distributed`` like it."""
     if batch_size < 1:
         raise UserError(f"perplexity batch size must be at least 1, got {batch_size}")
-    ids = eval_windows(model, eval_ids(text_or_ids, tokenizer, max_tokens), seqlen, max_tokens)
-    windows, seqlen = ids.shape
-    starts = distributed.shard(range(0, windows, batch_size))  # whole batches: the same on any number of ranks
-    bar = tqdm(total=sum(len(ids[s : s + batch_size]) for s in starts), desc="perplexity", unit="window",
-               leave=False, disable=not progress or not distributed.is_main())
-    with bar, _on_device(model, device) as run_device:
-        sums = torch.zeros(2, windows, dtype=torch.float64, device=run_device)  # per window: NLL, predicted tokens
-        for start in starts:
-            batch = ids[start : start + batch_size].to(run_device)
-            logits = model(input_ids=batch, use_cache=False).logits.float()
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch[:, 1:].flatten(), reduction="none")
-            sums[0, start : start + len(batch)] = loss.view(len(batch), -1).double().sum(1)
-            sums[1, start : start + len(batch)] = seqlen - 1
-            bar.update(len(batch))
-        sums = distributed.all_reduce_sum(sums).cpu()  # each slot is one rank's: exact
-    return sums[0], sums[1]
+    blocks = as_blocks(model)
+    windows = eval_windows(blocks.model, eval_ids(text_or_ids, tokenizer, max_tokens), seqlen, max_tokens)
+    nll, count, _ = _scores(blocks, _Batches(windows, [], batch_size), device, progress)
+    return nll, count
 
 
 @torch.no_grad()
-def sentence_log_likelihoods(
-    model: nn.Module, tokenizer, sentences: list[str], device=None, batch_size: int = 16, progress: bool = False
-) -> torch.Tensor:
+def sentence_log_likelihoods(model, tokenizer, sentences: list[str], device=None, batch_size: int = SENTENCE_BATCH,
+                             progress: bool = False) -> torch.Tensor:
     """Total log-likelihood of each sentence, float64 [n]: every token of the sentence, each scored
     after the ones before it, the first after :func:`document_start` (the model's plain document
     start: BOS, unless that is a chat token such as SmolLM2's ``<|im_start|>``)."""
     encoded = [encode_sentence(tokenizer, s) for s in sentences]
-    scores = []
-    with _on_device(model, device) as run_device:
-        for start in tqdm(range(0, len(encoded), batch_size), desc="sentence pairs", unit="batch", leave=False,
-                          disable=not progress or not distributed.is_main()):
-            ids, keep = (t.to(run_device) for t in pad_right(encoded[start : start + batch_size]))
-            logits = model(input_ids=ids, attention_mask=keep.long(), use_cache=False).logits.double()
-            logp = logits[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-            scores.append((logp * keep[:, 1:]).sum(-1).cpu())
-    return torch.cat(scores)
+    return _scores(as_blocks(model), _Batches(None, encoded, sentence_batch=batch_size), device, progress)[2]
 
 
 def pad_right(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -154,31 +140,20 @@ STEREOTYPE_KEYS = ("stereotype_score", "stereotype_score_stereo", "stereotype_sc
                    "stereotype_pairs_neutral")  # what stereotype_scores returns (and measure_lm after perplexity)
 
 
-def pair_outcomes(model: nn.Module, tokenizer, pairs: list, device=None, batch_size: int = 16,
+def pair_outcomes(model, tokenizer, pairs: list, device=None, batch_size: int = SENTENCE_BATCH,
                   progress: bool = False) -> dict[str, torch.Tensor]:
     """Per pair, in order (bool [pairs] each): ``win`` (``sent_more`` scored higher), ``decided``
     (the two scores differ at 3 decimals; an undecided pair is neutral) and ``anti`` (an
     ``antistereo`` row). :func:`stereotype_scores` is computed from them, and its interval over
     pairs resamples them. Collective under ``torch.distributed`` like it."""
-    if not pairs:
-        raise UserError("no sentence pairs given; pass (stereotypical, anti-stereotypical) pairs, e.g. from read_stereoset")
-    # Whole batches of pairs are dealt out: a sentence is scored beside the same ones (the same
-    # padding) on any number of ranks, so its log-likelihood, hence a near tie, comes out the same.
-    per = max(1, batch_size // 2)
-    pairs = list(pairs)
-    mine = [i for start in distributed.shard(range(0, len(pairs), per)) for i in range(start, min(start + per, len(pairs)))]
-    slots = torch.zeros(3, len(pairs), dtype=torch.float64)  # win, decided, anti: each pair's slot is one rank's
-    if mine:
-        chosen = [pairs[i] for i in mine]
-        scores = sentence_log_likelihoods(model, tokenizer, [s for pair in chosen for s in pair], device, 2 * per, progress)
-        scores = scores.double().round(decimals=3)  # the authors' script compares scores to 3 decimals
-        more, less = scores[0::2], scores[1::2]
-        index = torch.tensor(mine)
-        slots[0, index] = (more > less).double()
-        slots[1, index] = (more != less).double()
-        slots[2, index] = torch.tensor([direction(pair) == "antistereo" for pair in chosen], dtype=torch.float64)
-    win, decided, anti = distributed.all_reduce_sum(slots).bool()
-    return {"win": win, "decided": decided, "anti": anti}
+    return measure_items(model, tokenizer, None, pairs, device=device, progress=progress, sentence_batch=batch_size)[2]
+
+
+def _outcomes(pairs: list, scores: torch.Tensor) -> dict[str, torch.Tensor]:
+    rounded = scores.double().round(decimals=3)  # the authors' script compares scores to 3 decimals
+    more, less = rounded[0::2], rounded[1::2]
+    return {"win": more > less, "decided": more != less,
+            "anti": torch.tensor([direction(pair) == "antistereo" for pair in pairs], dtype=torch.bool)}
 
 
 def scores_of(win: torch.Tensor, decided: torch.Tensor, anti: torch.Tensor) -> dict[str, float]:
@@ -253,23 +228,6 @@ def _context_length(model: nn.Module) -> int | None:
     return getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
 
 
-class _on_device:
-    """Context: put the model on ``device`` in eval mode, restore place and mode afterwards."""
-
-    def __init__(self, model: nn.Module, device):
-        self.model, self.device = model, device
-        first = next(model.parameters())
-        self.home, self.was_training = first.device, model.training
-
-    def __enter__(self) -> torch.device:
-        target = torch.device(self.device) if self.device is not None else self.home
-        self.model.to(target).eval()
-        return target
-
-    def __exit__(self, *exc) -> None:
-        self.model.to(self.home).train(self.was_training)
-
-
 def measure_lm(model: nn.Module, tokenizer, eval_text: str | torch.Tensor, eval_pairs: list, seqlen: int, device,
                eval_tokens: int | None = None, progress: bool = False) -> dict[str, float]:
     """Perplexity (non-overlapping windows over the first ``eval_tokens`` tokens of ``eval_text``,
@@ -278,16 +236,130 @@ def measure_lm(model: nn.Module, tokenizer, eval_text: str | torch.Tensor, eval_
     return measure_lm_items(model, tokenizer, eval_text, eval_pairs, seqlen, device, eval_tokens, progress)[0]
 
 
-def measure_lm_items(model: nn.Module, tokenizer, eval_text: str | torch.Tensor, eval_pairs: list, seqlen: int, device,
+def measure_lm_items(model, tokenizer, eval_text: str | torch.Tensor, eval_pairs: list, seqlen: int, device,
                      eval_tokens: int | None = None, progress: bool = False) -> tuple[dict[str, float], LMItems]:
     """:func:`measure_lm`'s figures and the per-item outcomes they are made of (per window and
-    per pair: :class:`LMItems`), which intervals and paired comparisons resample."""
-    model.eval()
-    nll, count = window_losses(model, eval_text, tokenizer, seqlen=seqlen, device=device, batch_size=8,
-                               max_tokens=eval_tokens, progress=progress)
-    outcomes = pair_outcomes(model, tokenizer, eval_pairs, device=device, progress=progress)
+    per pair: :class:`LMItems`), which intervals and paired comparisons resample. ``model``: an
+    ``nn.Module`` or a block model, in memory or streamed: one pass over the blocks for both."""
+    if not eval_pairs:
+        raise UserError("no sentence pairs given; pass (stereotypical, anti-stereotypical) pairs, e.g. from read_stereoset")
+    blocks = as_blocks(model)
+    windows = eval_windows(blocks.model, eval_ids(eval_text, tokenizer, eval_tokens), seqlen, eval_tokens)
+    nll, count, outcomes = measure_items(blocks, tokenizer, windows, eval_pairs, device=device, progress=progress)
     items = LMItems(nll.numpy(), count.numpy(), *(outcomes[k].numpy() for k in ("win", "decided", "anti")))
     return {"perplexity": perplexity_of(nll, count), **scores_of(**outcomes)}, items
+
+
+def measure_items(model, tokenizer, windows: torch.Tensor | None, pairs: list, *, device=None, progress: bool = False,
+                  sentence_batch: int = SENTENCE_BATCH, max_hidden_bytes: int = MAX_HIDDEN_BYTES):
+    """Per window its NLL and predicted tokens, and per pair its outcomes (:func:`pair_outcomes`),
+    of ``windows`` ([windows, seqlen] or None) and ``pairs``: one pass over the blocks (per chunk
+    of ``max_hidden_bytes`` of hidden states)."""
+    if windows is None and not pairs:
+        raise UserError("no sentence pairs given; pass (stereotypical, anti-stereotypical) pairs, e.g. from read_stereoset")
+    encoded = [encode_sentence(tokenizer, s) for pair in pairs for s in pair]
+    batches = _Batches(windows, encoded, WINDOW_BATCH, sentence_batch, max_hidden_bytes)
+    nll, count, scores = _scores(as_blocks(model), batches, device, progress)
+    return nll, count, _outcomes(list(pairs), scores) if pairs else {}
+
+
+# -- the one implementation: batches through the block forward ---------------------------------
+@dataclass
+class _Batches:
+    """What one measurement runs: evaluation windows ([windows, seqlen] or None) cut into batches of
+    ``window_batch``, sentences (token id lists) right-padded in batches of ``sentence_batch``."""
+
+    windows: torch.Tensor | None
+    sentences: list[list[int]]
+    window_batch: int = WINDOW_BATCH
+    sentence_batch: int = SENTENCE_BATCH
+    budget: int = MAX_HIDDEN_BYTES
+
+    def calls(self) -> tuple[list[dict[str, torch.Tensor]], int]:
+        """The forward calls (windows first) and the number of window calls."""
+        windows = self.windows if self.windows is not None else torch.zeros(0, 2, dtype=torch.long)
+        calls = [{"input_ids": windows[s : s + self.window_batch]} for s in range(0, len(windows), self.window_batch)]
+        first = len(calls)
+        for start in range(0, len(self.sentences), self.sentence_batch):
+            ids, keep = pad_right(self.sentences[start : start + self.sentence_batch])
+            calls.append({"input_ids": ids, "attention_mask": keep.long()})
+        return calls, first
+
+
+def _chunks(calls: list[dict[str, torch.Tensor]], hidden_size: int, element: int, budget: int) -> list[list[int]]:
+    """Indices of ``calls`` grouped so that each group's hidden states fit ``budget`` bytes."""
+    groups: list[list[int]] = [[]]
+    used = 0
+    for i, call in enumerate(calls):
+        size = call["input_ids"].numel() * hidden_size * element
+        if groups[-1] and used + size > budget:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += size
+    return groups
+
+
+@torch.no_grad()
+def _scores(blocks, batches: _Batches, device, progress: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per window its summed NLL and predicted tokens, per sentence its log-likelihood (float64).
+
+    Every batch is captured at block 0's input, each block is loaded once and runs on all of them
+    (:meth:`~fairprune.causal.blocks.BlockModel.forward`), and the head's logits are made for
+    ``LOGIT_ROWS`` positions of one window or sentence at a time, so vocabulary-wide logits never
+    sit in memory for a whole batch. Under ``torchrun`` each rank runs its share of the batches
+    (whole batches) and the per-item figures, each computed by one rank, are summed across ranks:
+    one process's figures exactly."""
+    calls, first = batches.calls()
+    windows = 0 if batches.windows is None else len(batches.windows)
+    sums = torch.zeros(2, windows, dtype=torch.float64)
+    scores = torch.zeros(len(batches.sentences), dtype=torch.float64)
+    home = device_of(blocks.model)
+    device = torch.device(device) if device is not None else (home if home.type != "meta" else torch.device("cpu"))
+    was_training = blocks.model.training
+    blocks.model.eval()
+    mine = distributed.shard(list(range(len(calls))))
+    element = torch.empty(0, dtype=blocks.dtype).element_size()
+    try:
+        for chunk in _chunks([calls[i] for i in mine], int(blocks.config.hidden_size), element, batches.budget):
+            group = [mine[j] for j in chunk]
+            if not group:
+                continue
+            outputs = blocks.forward([calls[i] for i in group], device, progress=progress and distributed.is_main(),
+                                     desc="measuring")
+            with blocks.head(device) as head:
+                for i, hidden in zip(group, outputs):
+                    ids = calls[i]["input_ids"].to(hidden.device)
+                    if i < first:  # windows: every predicted token's NLL, as cross-entropy gives it
+                        start = i * batches.window_batch
+                        for r in range(len(ids)):
+                            sums[0, start + r] = _token_logp(head, hidden[r], ids[r], nll=True).sum().cpu()
+                            sums[1, start + r] = ids.shape[1] - 1
+                    else:  # sentences: log-probabilities of their real tokens after the first
+                        start = (i - first) * batches.sentence_batch
+                        keep = calls[i]["attention_mask"].to(hidden.device).bool()
+                        for r in range(len(ids)):
+                            scores[start + r] = (_token_logp(head, hidden[r], ids[r]) * keep[r, 1:]).sum().cpu()
+    finally:
+        blocks.model.train(was_training)
+    distributed.all_reduce_sum(sums)  # each slot is one rank's (the others hold 0): exact
+    distributed.all_reduce_sum(scores)
+    return sums[0], sums[1], scores
+
+
+def _token_logp(head, hidden: torch.Tensor, ids: torch.Tensor, nll: bool = False) -> torch.Tensor:
+    """Per position after the first of one sequence (float64): the NLL of its token in float32 as
+    ``F.cross_entropy`` computes perplexity (``nll``), else its log-probability in float64 (pair
+    scores, compared to 3 decimals), from logits made ``LOGIT_ROWS`` positions at a time."""
+    parts = []
+    for a in range(0, len(ids) - 1, LOGIT_ROWS):
+        end = min(a + LOGIT_ROWS, len(ids) - 1)
+        logits = head(hidden[a:end])
+        if nll:
+            parts.append(F.cross_entropy(logits.float(), ids[a + 1 : end + 1], reduction="none").double())
+        else:
+            parts.append(logits.double().log_softmax(-1).gather(-1, ids[a + 1 : end + 1, None]).squeeze(-1))
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float64)
 
 
 @dataclass

@@ -6,12 +6,12 @@ The loop that SparseGPT, Debias-SparseGPT and Wanda share:
    hidden states) and the positional and keyword arguments *each* block is called with
    (attention mask, rotary position embeddings, ...): layers may differ (Gemma alternates
    sliding-window and global attention, each with its own mask and rotary tables);
-2. for each block: load it (:meth:`~fairprune.pruning.blocks.Resident.loaded`), hook its
+2. for each block: load it (:meth:`~fairprune.causal.blocks.Resident.loaded`), hook its
    prunable layers to accumulate statistics, run every calibration batch through it, prune each
    layer from its statistics, then run the batches through the *pruned* block to get the next
    block's inputs, and let it go.
 
-The model is a block model (:mod:`fairprune.pruning.blocks`): in memory, loading moves a block to
+The model is a block model (:mod:`fairprune.causal.blocks`): in memory, loading moves a block to
 the compute device and back, so only the embedding front and one block are on the device at a
 time; streamed from disk, loading reads the block's weights, so only one block is in memory. Statistics objects add one term per
 batch and reduce themselves across processes (see ``sparsegpt.Hessian.value``): under
@@ -30,7 +30,6 @@ product and one exact-sum term for the whole batch (``sparsegpt.PairedHessian``)
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -38,32 +37,11 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fairprune import distributed
-from fairprune.causal.structure import BlockCall, block_calls
-from fairprune.pruning.blocks import as_blocks
+from fairprune.causal.blocks import as_blocks
+from fairprune.causal.forward import BlockInput, CalibInput, call_block, capture_block_inputs, run_block
 
 #: Aligned pairs per calibration batch: one forward of 2·32 sentences, one statistics term.
 PAIR_BATCH = 32
-
-
-@dataclass
-class CalibInput:
-    """One batch of token ids; ``paired``: the first half and second half are aligned pair sides."""
-
-    ids: torch.Tensor  # [batch, seq]
-    paired: bool = False
-    mask: torch.Tensor | None = None  # [batch (pairs), seq]: tokens that count in statistics
-    attention: torch.Tensor | None = None  # [batch, seq]: 1 a token, 0 right padding (None: no padding)
-
-
-@dataclass
-class BlockInput:
-    """What the blocks are called with for one calibration batch: the current hidden states, and
-    each block's other arguments as the model passes them to that block (its own attention mask
-    and rotary embeddings where layers differ, Gemma's sliding-window and global layers)."""
-
-    hidden: torch.Tensor
-    calls: list[BlockCall]
-    source: CalibInput
 
 
 def make_inputs(
@@ -124,34 +102,6 @@ def rank_inputs(
 
 
 @torch.no_grad()
-def capture_block_inputs(model, inputs: list[CalibInput], device) -> list[BlockInput]:
-    """Run each batch through the embedding front (loaded for the time it runs) and keep block 0's
-    input and every block's call arguments (:func:`fairprune.causal.structure.block_calls`: the
-    model's own forward with the blocks as stubs, so no block runs). ``model``: an ``nn.Module`` or
-    a block model (:mod:`fairprune.pruning.blocks`)."""
-    blocks = as_blocks(model)
-    captured: list[BlockInput] = []
-    with blocks.loaded(*blocks.front_modules(), device=device):
-        for current in inputs:
-            padded = {} if current.attention is None else {"attention_mask": current.attention.to(device)}
-            hidden, calls = block_calls(blocks.model, blocks.blocks, blocks.family.returns_tuple,
-                                        input_ids=current.ids.to(device), **padded)
-            captured.append(BlockInput(hidden, calls, current))
-    return captured
-
-
-def run_block(index: int, block: nn.Module, batches: list[BlockInput]) -> list[BlockInput]:
-    """Every batch through block ``index``: the next block's inputs."""
-    return [replace(b, hidden=_hidden(call_block(index, block, b))) for b in batches]
-
-
-def call_block(index: int, block: nn.Module, b: BlockInput):
-    """Block ``index`` called on batch ``b`` with the arguments the model gives that block."""
-    call = b.calls[index]
-    return block(b.hidden, *call.args, **call.kwargs)
-
-
-@torch.no_grad()
 def run_layerwise(
     model,
     inputs: list[CalibInput] | None,
@@ -164,7 +114,7 @@ def run_layerwise(
 ) -> None:
     """Calibrate and prune block after block, each block loaded for its turn; layer names are
     ``"<block>.<path>"``. ``model``: an ``nn.Module`` or a block model (resident or streamed, see
-    :mod:`fairprune.pruning.blocks`). ``inputs`` None (with ``make_stat`` None): a method that
+    :mod:`fairprune.causal.blocks`). ``inputs`` None (with ``make_stat`` None): a method that
     prunes from the weights alone, no calibration pass. ``after(index, block, layers)`` runs
     once a block is solved, while it is still loaded (a streamed run writes it then)."""
     blocks = as_blocks(model)
@@ -248,8 +198,3 @@ def _agree_partners(partners: list[int], seen: bool) -> list[int]:
     distributed.all_reduce_sum(shared)
     ranks = int(shared[0])
     return [int(v) // ranks for v in shared[1:].tolist()] if ranks else partners
-
-
-def _hidden(output) -> torch.Tensor:
-    # v5 blocks return a tensor; some (GPT-Neo) still return a tuple whose first item it is.
-    return output[0] if isinstance(output, (tuple, list)) else output

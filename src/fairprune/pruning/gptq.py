@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from fairprune import distributed
-from fairprune.families import linear_weight, set_linear_weight
+from fairprune.causal.families import linear_weight, set_linear_weight
 from fairprune.pruning.sparsegpt import Hessian, inverse_hessian_cholesky
 
 

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from fairprune.families import family_of, linear_weight
+from fairprune.causal.families import family_of, linear_weight
 from fairprune.pruning.heads import HeadRemoval
 
 

@@ -11,7 +11,7 @@
   model computes.
 
 Where a family keeps its heads (attention module, q/k/v projections, head-count attributes) is
-part of its row in :data:`fairprune.families.FAMILIES`; this module has no table of its own.
+part of its row in :data:`fairprune.causal.families.FAMILIES`; this module has no table of its own.
 
 Saving a pruned model. ``from_pretrained`` builds every layer with the config's one head count,
 and most families derive ``head_dim`` from ``hidden_size // heads``, so a smaller head count
@@ -44,8 +44,8 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from fairprune.causal.families import Family, family_of, linear_weight
 from fairprune.errors import UserError
-from fairprune.families import Family, family_of, linear_weight
 
 Head = tuple[int, int]  # (layer, head)
 

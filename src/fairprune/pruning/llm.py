@@ -22,15 +22,15 @@ import torch
 from torch import nn
 
 from fairprune import distributed
+from fairprune.causal.blocks import as_blocks
+from fairprune.causal.families import Family, family_of, linear_weight, set_linear_weight
 from fairprune.data.pairs import LMTexts
 from fairprune.data.text import document_start
 from fairprune.errors import UserError
-from fairprune.families import Family, family_of, linear_weight, set_linear_weight
 from fairprune.hub.checks import nonfinite
 from fairprune.metrics.bootstrap import lm_intervals, lm_paired
 from fairprune.metrics.language import LMItems
 from fairprune.pruning import registry
-from fairprune.pruning.blocks import as_blocks
 from fairprune.pruning.calibration import PAIR_BATCH, rank_inputs, run_layerwise
 from fairprune.pruning.masks import Target, achieved_sparsity, sparsity_table
 from fairprune.pruning.registry import Method
@@ -109,7 +109,7 @@ def prune_causal_lm(
     """Prune ``model`` in place and return ``{"layers": {name: sparsity}, "achieved_sparsity",
     "dense_zero_fraction", "seconds", ...}``.
 
-    ``model``: an ``nn.Module`` or a block model (:mod:`fairprune.pruning.blocks`: in memory, or
+    ``model``: an ``nn.Module`` or a block model (:mod:`fairprune.causal.blocks`: in memory, or
     streamed from its safetensors files with one block resident). ``method``: an ``lm`` method of
     the registry; its entry's ``statistic`` is accumulated over each layer's calibration inputs
     and its ``selection`` solves the layer (a method without a statistic prunes from the weights

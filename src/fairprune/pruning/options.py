@@ -4,7 +4,6 @@ library: one name, one default and one check per option wherever it is set.
 ``CalibrationOptions``: what a post-training LM run calibrates and measures with (``prune.py``'s
 LM commands take them inside ``LMOptions``; the ``PostTrainingPruning`` callback takes them as they
 are). ``SolverOptions``: SparseGPT's solver. ``HeadOptions``: FASP and its baselines.
-``SaveOptions``: how a pruned block model is saved (one type for the resident and the streamed one).
 
 This module imports nothing heavy: ``prune.py --help`` reads it without loading torch.
 """
@@ -73,28 +72,6 @@ class SolverOptions:
     def __post_init__(self) -> None:
         if self.percdamp < 0 or self.blocksize < 1:
             raise UserError(f"--percdamp must be >= 0 and --blocksize >= 1, got {self.percdamp} and {self.blocksize}")
-
-
-@dataclass(frozen=True)
-class SaveOptions:
-    """How a pruned LM is saved, whichever way it was held (``save`` of the resident and the
-    streamed block model both take it; each uses what applies to it).
-
-    Args:
-        save_format: dense, or compressed (the sparse layouts; a model in memory only).
-        nm: the N:M pattern pruned to, for the 2:4 layout.
-        quantize: none, w4a16, w8a16 or their -gptq forms.
-        quant_group_size: the quantization group size asked for.
-        trust_remote_code: passed to transformers when the saved folder is loaded back.
-        progress: progress bars while writing and loading back.
-    """
-
-    save_format: str = "dense"
-    nm: tuple[int, int] | None = None
-    quantize: str = "none"
-    quant_group_size: int = 128
-    trust_remote_code: bool = False
-    progress: bool = True
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import yaml
 
-from fairprune.errors import UserError
-from fairprune.hub.checks import nonfinite
+from fairprune.causal.blocks import Resident
+from fairprune.hub.checks import check_result
 from fairprune.reporting.card_lm import HeadCard, LMCard
 from fairprune.reporting.environment import environment
 from fairprune.reporting.model_card import Card, write_model_card
@@ -40,17 +40,6 @@ RUN_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safete
              "eval_items.npz", "task_items.json", *JOURNAL)
 
 
-def check_result(model, output: str | os.PathLike, method: str | None = None) -> None:
-    """Refuse to save a model whose weights are not finite (the input was checked when it was
-    loaded, so the pruning produced it): one line, nothing written."""
-    found = nonfinite(model)
-    if found is not None:
-        what = f"pruning with {method}" if method else "the pruning"
-        raise UserError(f"{what} produced a broken model: parameter {found[0]} holds {found[1]} (the input model "
-                        f"was finite); nothing was written to '{output}' (try another method, sparsity or "
-                        "calibration set)")
-
-
 def write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any], config: dict[str, Any],
               layers: dict[str, float] | None = None, save_format: str | None = None, nm: tuple[int, int] | None = None,
               items: tuple[Any, Any] = (None, None), heads: Any = None) -> Path:
@@ -69,7 +58,8 @@ def write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any
         else:  # the bytes are measured in the staged folder, before the report is written
             from fairprune.hub.compressed import save_weights
 
-            report["weights"] = save_weights(model, out, save_format, nm)
+            report["weights"] = save_weights(model, out, save_format, nm,
+                                             Resident(model).layers() if save_format == "compressed" else None)
         tokenizer.save_pretrained(out)
         write_run_files(out, report, config, layers, *items, card=LMCard if heads is None else HeadCard)
 

@@ -38,11 +38,11 @@ import torch
 
 import fairprune
 from fairprune import distributed
+from fairprune.causal.blocks import as_blocks
 from fairprune.data.pairs import direction
 from fairprune.data.text import encode_sentence
 from fairprune.hub import cache_dir
-from fairprune.metrics.language import STEREOTYPE_KEYS, LMItems
-from fairprune.pruning.blocks import as_blocks
+from fairprune.metrics.language import STEREOTYPE_KEYS, LMItems, measure_lm_items
 from fairprune.reporting.environment import environment
 from fairprune.reporting.report import write_json
 
@@ -75,7 +75,7 @@ class DenseFigures:
 
 def weights_digest(model) -> str:
     """SHA-256 of the model's class, config and every state-dict tensor (name, dtype, shape, bytes).
-    ``model``: an ``nn.Module`` or a block model (:mod:`fairprune.pruning.blocks`), whose tensors
+    ``model``: an ``nn.Module`` or a block model (:mod:`fairprune.causal.blocks`), whose tensors
     are read one at a time (a streamed model's from its files, in the run's dtype: the bytes
     ``from_pretrained`` would load, so the same digest). Kept on a block model once computed."""
     blocks = as_blocks(model)
@@ -167,7 +167,7 @@ def dense_figures(model, tokenizer, eval_ids: torch.Tensor, eval_pairs: list, wi
     blocks = as_blocks(model)
     key = cache_key(blocks, tokenizer, eval_ids, eval_pairs, window, eval_tokens, device) if use_cache else None
     how = ", streamed" if blocks.streamed else ""
-    return cached_figures(key, lambda: blocks.measure(tokenizer, eval_ids, eval_pairs, window, device, progress=progress),
+    return cached_figures(key, lambda: measure_lm_items(blocks, tokenizer, eval_ids, eval_pairs, window, device, progress=progress),
                           progress, how=how)
 
 

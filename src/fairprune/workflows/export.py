@@ -284,10 +284,10 @@ def _write_checked(source: Any, tokenizer: Any, tmp: Path, ids: Any, options: GG
 def pruned_zeros(source: Any, loaded: Any) -> dict[str, Any]:
     """The exact zeros of the source's prunable block layers and how many of them are zero in the
     loaded-back model, at the same places."""
-    from fairprune.hub.compressed import compressed_modules
+    from fairprune.causal.blocks import Resident
 
     zeros = kept = total = 0
-    for name, layer in compressed_modules(source).items():
+    for name, layer in Resident(source).layers().items():
         mask = layer.weight == 0
         back = loaded.get_submodule(name).weight
         zeros += int(mask.sum())

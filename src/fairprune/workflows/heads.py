@@ -17,18 +17,18 @@ from typing import Any
 import pandas as pd
 
 from fairprune import distributed
+from fairprune.causal.families import family_of
 from fairprune.data.files import read_calib_text, read_text
 from fairprune.data.prompts import read_prompts, split_prompts
 from fairprune.data.text import render_calib_text
 from fairprune.errors import UserError
-from fairprune.families import family_of
 from fairprune.hub import load_model, load_tokenizer, resolve_device
-from fairprune.hub.checks import check_input_model, saved_bytes
+from fairprune.hub.checks import check_input_model, check_result, saved_bytes
 from fairprune.pruning import registry
 from fairprune.pruning.options import HeadOptions
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.records import HeadRow
-from fairprune.reporting.runs import check_result, write_head_run
+from fairprune.reporting.runs import write_head_run
 from fairprune.storage.folders import check_free_space
 from fairprune.storage.lock import locked
 from fairprune.workflows.launch import torchrun

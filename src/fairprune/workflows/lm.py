@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from fairprune import distributed
+from fairprune.causal.blocks import zero_fraction
 from fairprune.data.pairs import LMTexts, lm_texts
 from fairprune.errors import UserError
 from fairprune.hub import load_tokenizer
@@ -40,7 +41,6 @@ from fairprune.metrics.bootstrap import lm_intervals, lm_paired
 from fairprune.metrics.harness import TaskItems, dto, task_intervals, task_paired
 from fairprune.metrics.language import LMItems
 from fairprune.pruning import registry
-from fairprune.pruning.blocks import zero_fraction
 from fairprune.pruning.llm import check_pattern_fits, evaluation_facts
 from fairprune.pruning.options import SolverOptions
 from fairprune.pruning.sparsity import Sparsity
@@ -73,9 +73,9 @@ def _open(lm: LMOptions, machine: MachineOptions, calibration: bool = True) -> t
 def _check_quantize(blocks, lm: LMOptions) -> None:
     """``--quantize`` against the model's block layers (Linear, a group size for each), before any work."""
     if lm.quantize != "none":
-        from fairprune.hub.quantized import block_layers, check_groups
+        from fairprune.hub.quantized import check_groups, linear_layers
 
-        check_groups(block_layers(blocks), lm.quant_group_size)
+        check_groups(linear_layers(blocks.layers()), lm.quant_group_size)
 
 
 def _config(lm: LMOptions, machine: MachineOptions, **fields: Any) -> dict[str, Any]:

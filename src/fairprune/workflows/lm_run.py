@@ -1,7 +1,7 @@
 """One post-training run of an opened LM: prune, save, measure the pruned model, write the folder.
 
 The same steps whether the model is in memory or streamed from disk (a block model,
-:mod:`fairprune.pruning.blocks`): calibration data from the run's texts; the layer-by-layer prune
+:mod:`fairprune.causal.blocks`): calibration data from the run's texts; the layer-by-layer prune
 (:func:`fairprune.pruning.llm.prune_causal_lm`; a streamed model writes each solved block as it
 goes); the pruned model saved into a staging folder beside ``output`` (in memory:
 ``save_pretrained`` or the compressed format; streamed: the rest of the files beside the blocks
@@ -25,12 +25,14 @@ from typing import Any
 import torch
 
 from fairprune import distributed
+from fairprune.causal.blocks import SaveOptions
 from fairprune.data.text import calibration_ids, paired_ids
 from fairprune.hub import resolve_device
 from fairprune.hub.compressed import dtype_name, megabytes, weights_summary
+from fairprune.metrics.language import measure_lm_items
 from fairprune.pruning import registry
 from fairprune.pruning.llm import calibration_facts, evaluation_facts, lm_report, prune_causal_lm
-from fairprune.pruning.options import SaveOptions, SolverOptions
+from fairprune.pruning.options import SolverOptions
 from fairprune.pruning.sparsity import Sparsity
 from fairprune.reporting.runs import RUN_FILES, write_run_files
 from fairprune.storage.folders import replace_folder
@@ -44,10 +46,10 @@ def _quantizer(blocks, lm: LMOptions):
     """``--quantize``'s plan for the run (None without it): the scheme and the model's one group size."""
     if lm.quantize == "none":
         return None
-    from fairprune.hub.quantized import block_layers, check_groups
+    from fairprune.hub.quantized import check_groups, linear_layers
     from fairprune.pruning.gptq import LayerQuantizer
 
-    groups = check_groups(block_layers(blocks), lm.quant_group_size)
+    groups = check_groups(linear_layers(blocks.layers()), lm.quant_group_size)
     return LayerQuantizer(lm.quantize, min(groups.values(), default=lm.quant_group_size))
 
 
@@ -89,7 +91,7 @@ def prune_run(blocks, tokenizer, method: str, sparsity: Sparsity, output: str | 
         pruned_at = time.perf_counter()
         if talk:
             print(f"[{method}] measuring the pruned model ...", flush=True)
-        after, items = pruned.measure(tokenizer, ids, texts.eval_pairs, lm.window, device, progress=machine.progress)
+        after, items = measure_lm_items(pruned, tokenizer, ids, texts.eval_pairs, lm.window, device, progress=machine.progress)
         tasks = lm_tasks(pruned, tokenizer, specs, lm, device, machine.progress, who=f"{method}: ")
         end = time.perf_counter()
         memory = memory_facts(blocks, rss_start)

@@ -10,7 +10,7 @@ hub model, a converted GGUF) of a causal family can stream, and only with ``--sa
 dense``; ``auto`` runs anything else in memory.
 
 Everything after the opening is the one pipeline (:mod:`fairprune.workflows.lm`,
-:mod:`fairprune.workflows.lm_run`): the model is a block model (:mod:`fairprune.pruning.blocks`),
+:mod:`fairprune.workflows.lm_run`): the model is a block model (:mod:`fairprune.causal.blocks`),
 and which kind it is changes only how a part is loaded, saved and scored by lm-eval.
 """
 
@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from fairprune import distributed
+from fairprune.causal.blocks import Resident
 from fairprune.errors import UserError
 from fairprune.hub import load_model, resolve_device, resolve_name
 from fairprune.memory import available_bytes, return_freed_memory
 from fairprune.metrics.language import eval_ids
-from fairprune.pruning.blocks import Resident
-from fairprune.workflows.dense import DenseFigures, dense_figures, weights_digest
+from fairprune.workflows.dense import DenseFigures, dense_figures
 from fairprune.workflows.options import LMOptions, MachineOptions
 from fairprune.workflows.tasks import measure_tasks
 
@@ -74,13 +74,13 @@ def stream_choice(lm: LMOptions, talk: bool = True) -> bool:
 
 
 def open_blocks(lm: LMOptions, stream: bool):
-    """The model of ``--model`` as a block model: a :class:`~fairprune.pruning.streamed.StreamedModel`
-    reading its safetensors files, or a :class:`~fairprune.pruning.blocks.Resident` loaded whole
+    """The model of ``--model`` as a block model: a :class:`~fairprune.causal.streamed.StreamedModel`
+    reading its safetensors files, or a :class:`~fairprune.causal.blocks.Resident` loaded whole
     (a model with NaN / inf weights is refused here, before any work)."""
     if stream:
+        from fairprune.causal.streamed import StreamedModel
         from fairprune.hub.compressed import torch_dtype
         from fairprune.hub.shards import local_folder
-        from fairprune.pruning.streamed import StreamedModel
 
         if lm.save_format != "dense":
             raise UserError(f"--stream true writes the pruned model block by block as plain safetensors; --save_format "
@@ -99,19 +99,12 @@ def open_blocks(lm: LMOptions, stream: bool):
 
 def lm_tasks(blocks, tokenizer, specs, lm: LMOptions, device, progress: bool, *, dense: bool = False,
              who: str = "dense model: "):
-    """The lm-eval pass on ``blocks`` (rank 0; None without ``specs``): on the model in memory, or
-    for a streamed one on the model loaded with transformers' disk offload. ``dense``: the dense
-    model, its results cached by its weights' digest."""
+    """The lm-eval pass on ``blocks`` (rank 0; None without ``specs``), in memory or streamed
+    (:meth:`~fairprune.causal.blocks.BlockModel.runnable`). ``dense``: the dense model, its results
+    cached by its weights' digest."""
     if not specs or not distributed.is_main():
         return None
-    cached = dense and lm.dense_cache
-    model, offload = blocks.task_model(lm)
-    try:
-        return measure_tasks(model, tokenizer, specs, lm, device, progress, use_cache=cached, who=who,
-                             digest=weights_digest(blocks) if cached else None, offload=offload)
-    finally:
-        if model is not None:
-            model.to("cpu")
+    return measure_tasks(blocks, tokenizer, specs, lm, device, progress, use_cache=dense and lm.dense_cache, who=who)
 
 
 def dense_of(blocks, tokenizer, texts, lm: LMOptions, machine: MachineOptions, specs=None,

@@ -11,7 +11,6 @@ other ranks wait for it at the next barrier and write nothing, as always.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import sys
 import warnings
@@ -20,6 +19,7 @@ from typing import Any
 
 import fairprune
 from fairprune import distributed
+from fairprune.causal.blocks import as_blocks
 from fairprune.metrics.harness import (
     TaskItems,
     TaskResults,
@@ -57,30 +57,29 @@ def _cache_path(key: dict[str, Any]) -> Path:
     return cache_path(key, "tasks")
 
 
-def _key(model, specs: list[TaskSpec], lm, device, digest: str | None = None) -> dict[str, Any]:
+def _key(blocks, specs: list[TaskSpec], lm, device) -> dict[str, Any]:
     import torch
 
     from fairprune.metrics.harness import _lm_eval_version
     from fairprune.workflows.dense import weights_digest
 
     return {"version": TASK_CACHE_VERSION, "fairprune": fairprune.__version__, "lm_eval": _lm_eval_version(),
-            "model": digest or weights_digest(model), "tasks": [[s.name, s.scoring, s.data and file_sha256(s.data)] for s in specs],
+            "model": weights_digest(blocks), "tasks": [[s.name, s.scoring, s.data and file_sha256(s.data)] for s in specs],
             "limit": lm.limit, "num_fewshot": lm.num_fewshot, "seed": lm.seed, "device": torch.device(device).type,
             "dtype": str(getattr(torch, lm.dtype))}
 
 
 def measure_tasks(model, tokenizer, specs: list[TaskSpec] | None, lm, device, progress: bool = True,
-                  use_cache: bool = False, who: str = "", digest: str | None = None,
-                  offload: tuple[Any, dict[str, Any]] | None = None) -> TaskResults | None:
+                  use_cache: bool = False, who: str = "") -> TaskResults | None:
     """lm-eval on ``model`` (rank 0 only; None elsewhere and without ``specs``). ``use_cache``: the
     dense model's results from the project cache when an earlier run scored the same weights on
-    the same files with the same settings, else measured and cached (``digest``: the weights'
-    digest when the caller has it, as a streamed run does). ``offload``: :func:`offloaded`'s
-    loader and facts, for a model not in memory (``model`` None; loaded only when the cache has
-    no answer; the report says which way the pass ran)."""
+    the same files with the same settings, else measured and cached. ``model``: an ``nn.Module``
+    or a block model; a streamed one runs with each part read from its files as the forward
+    reaches it (:meth:`~fairprune.causal.blocks.BlockModel.runnable`), and the facts say so."""
     if not specs or not distributed.is_main():
         return None
-    key = _key(model, specs, lm, device, digest) if use_cache else None
+    blocks = as_blocks(model)
+    key = _key(blocks, specs, lm, device) if use_cache else None
     if key is not None:
         try:
             stored = json.loads(_cache_path(key).read_text())
@@ -93,13 +92,14 @@ def measure_tasks(model, tokenizer, specs: list[TaskSpec] | None, lm, device, pr
             facts = task_facts(specs, items, lm.limit, lm.num_fewshot)
             return TaskResults(task_figures(items), items, facts, 0.0, from_cache=True)
     if progress:
-        how = "" if offload is None else " (weights offloaded to disk by accelerate)"
+        how = " (streamed: each part read from the files as the forward reaches it)" if blocks.streamed else ""
         print(f"[tasks] {who}lm-eval{how}: {', '.join(s.name for s in specs)} ...", flush=True)
-    with (offload[0]() if offload is not None else contextlib.nullcontext(model)) as loaded:
-        results = run_tasks(loaded, tokenizer, specs, limit=lm.limit, num_fewshot=lm.num_fewshot, device=device,
-                            progress=progress, seed=lm.seed, offload=None if offload is None else "disk")
-    if offload is not None:
-        results.facts["offload"] = offload[1]
+    with blocks.runnable(device) as runnable:
+        results = run_tasks(runnable, tokenizer, specs, limit=lm.limit, num_fewshot=lm.num_fewshot, device=device,
+                            progress=progress, seed=lm.seed, streamed=blocks.streamed)
+    if blocks.streamed:
+        results.facts["streamed"] = {"how": "one part resident, read from the model's files as the forward reaches it",
+                                     "largest_part_bytes": blocks.facts()["largest_part_bytes"]}
     for line in letter_warnings(results.facts, who.strip() or str(lm.model)):
         print(line, file=sys.stderr, flush=True)
     if key is not None:

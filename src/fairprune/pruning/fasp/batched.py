@@ -13,7 +13,7 @@ forward with the blocks before ``l`` passing their input on and the stored state
 block ``l``'s input, so each family's embeddings, position ids, rotary tables and attention
 masks are made by its own code, and the logits by its own forward after the blocks (the head and,
 for Gemma, the final soft-capping: :func:`fairprune.causal.structure.head_logits`); this works for
-every causal LM whose heads :func:`fairprune.families.family_of` locates, which the tests check
+every causal LM whose heads :func:`fairprune.causal.families.family_of` locates, which the tests check
 against the full forward for every family they build. The loss is summed as :func:`fairprune.metrics.language.perplexity` sums it (float32
 per batch of ``batch_size`` windows, added in float64 in window order), so on a CPU both give the
 same number bit for bit.
@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fairprune.causal.families import family_of
 from fairprune.causal.structure import head_logits, stubbed
 from fairprune.errors import UserError
-from fairprune.families import family_of
 from fairprune.pruning.heads import HeadGates
 
 ROW_BUDGET_CPU = 512 * 2**20  # bytes of activations one forward may use on a CPU

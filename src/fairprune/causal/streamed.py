@@ -9,17 +9,19 @@ so at most one block's weights (or the embeddings) are resident. Every part is c
 as it loads. Tied weights (the head sharing the token embedding) are read from whichever name
 the checkpoint stores.
 
-It is a block model (:mod:`fairprune.pruning.blocks`): the one pipeline prunes it as it prunes a
+It is a block model (:mod:`fairprune.causal.blocks`): the one pipeline prunes it as it prunes a
 model in memory (:func:`fairprune.pruning.llm.prune_causal_lm`: the same checks, calibration,
 statistics, layer solve and per-layer sparsity), each pruned block written to a
 :class:`~fairprune.hub.shards.ShardWriter` (:meth:`StreamedModel.writer`) as soon as it is solved
 and the untouched tensors (front, final norm, head) passed straight from the input files to the
 output ones, so the output folder is what ``save_pretrained`` of the pruned model would write.
 
-:meth:`StreamedModel.forward` runs batches through the whole model the same way (used by the
-streamed measurements, :mod:`fairprune.metrics.streamed`): block 0's inputs captured, every block
-loaded once and run on all batches, the hidden states held between blocks, then the final norm;
-:meth:`StreamedModel.logits` applies the head.
+It runs as every block model does (:meth:`~fairprune.causal.blocks.BlockModel.forward`: block 0's
+inputs captured, every block loaded once and run on all batches, the hidden states held between
+blocks, then the final norm and the head), which is how it is measured
+(:func:`fairprune.metrics.language.measure_lm_items`); for lm-eval, which calls the whole model's
+forward, :meth:`StreamedModel.runnable` hooks every part so that the same reader loads it as the
+forward reaches it.
 
 Under ``torchrun`` every rank streams the model the same way (no rank holds it whole); only the
 rank given a writer writes.
@@ -30,20 +32,16 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
+from fairprune.causal.blocks import BlockModel, SaveOptions
 from fairprune.errors import UserError
 from fairprune.hub.checks import nonfinite
 from fairprune.hub.quantized_stream import QuantizedReader, open_reader
 from fairprune.hub.shards import refuse_nonfloat
 from fairprune.memory import trim_heap
-from fairprune.pruning.blocks import BlockModel
-from fairprune.pruning.calibration import CalibInput, capture_block_inputs, run_block
-from fairprune.pruning.options import SaveOptions
 
 
 def _split(module: nn.Module, name: str) -> tuple[nn.Module, str]:
@@ -170,10 +168,10 @@ class StreamedModel(BlockModel):
         if out is None:
             return None
         if self.quantizer is not None:
-            from fairprune.hub.quantized import block_layers, save_dtype
+            from fairprune.hub.quantized import linear_layers, save_dtype
             from fairprune.hub.quantized_stream import QuantizedWriter
 
-            groups = dict.fromkeys(block_layers(self), self.quantizer.group)
+            groups = dict.fromkeys(linear_layers(self.layers()), self.quantizer.group)
             return QuantizedWriter(out, self.output_tensors(), self.quantizer.quantize, groups, self.quantizer.scales,
                                    save_dtype(self.dtype), total_parameters=self.num_parameters())
         return ShardWriter(out, self.output_tensors(), total_parameters=self.num_parameters())
@@ -209,13 +207,6 @@ class StreamedModel(BlockModel):
                            "dense_bytes": dense, "file_bytes": written, "ratio": written / dense if dense else None}
         folder = Path(broadcast_text(None if out is None else str(out)))
         return StreamedModel(folder, self.dtype, options.trust_remote_code, source=str(output)), weights
-
-    def task_model(self, lm) -> tuple[None, Any]:
-        """What lm-eval runs on: the model loaded by transformers' disk offload
-        (:func:`fairprune.workflows.tasks.offloaded`), at most four of its largest parts in memory."""
-        from fairprune.hub.offload import offloaded
-
-        return None, offloaded(self.folder, lm, 4 * self.facts()["largest_part_bytes"])
 
     def facts(self) -> dict[str, int]:
         """The sizes a report's ``memory`` records: the model's, its largest block's and the largest
@@ -284,44 +275,36 @@ class StreamedModel(BlockModel):
             restore.clear()
             trim_heap()
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Every state-dict entry by name, read tensor by tensor as ``from_pretrained`` would load
-        it in the run's dtype (the weights digest of the dense cache reads them so)."""
-        for name in self.model.state_dict(keep_vars=True):
-            yield name, self.read_output(name)
-
     # -- running ----------------------------------------------------------------------------------
-    @torch.no_grad()
-    def forward(self, calls: list[dict[str, torch.Tensor]], device, progress: bool = False,
-                desc: str = "blocks") -> list[torch.Tensor]:
-        """The hidden states after the last block and the final norm (the head's input) of each
-        call (``input_ids`` and optionally ``attention_mask``), every block loaded once for all of them."""
-        inputs = [CalibInput(call["input_ids"], attention=call.get("attention_mask")) for call in calls]
-        batches = capture_block_inputs(self, inputs, device)
-        for index, block in enumerate(tqdm(self.blocks, desc=desc, unit="block", leave=False, disable=not progress)):
-            with self.loaded(block, device=device):
-                batches = run_block(index, block, batches)
-        tails = self.tail_modules()[:-1]
-        out = []
-        with self.loaded(*tails, device=device):
-            for b in batches:
-                hidden = b.hidden
-                for module in tails:
-                    hidden = module(hidden)
-                out.append(hidden)
-        return out
-
-    def measure(self, tokenizer, ids: torch.Tensor, pairs: list, window: int, device, progress: bool = False):
-        """:func:`fairprune.metrics.streamed.measure_streamed` of the model: the figures and items
-        :func:`~fairprune.metrics.language.measure_lm_items` gives in memory."""
-        from fairprune.metrics.streamed import measure_streamed
-
-        return measure_streamed(self, tokenizer, ids, pairs, window, device, progress=progress)
-
     @contextlib.contextmanager
-    def head(self, device) -> Iterator[Any]:
-        """The logits of final hidden states (:meth:`logits`), the output head loaded for the time
-        of the block."""
-        head = self.model.get_output_embeddings()
-        with self.loaded(head, device=device):
-            yield self.logits
+    def runnable(self, device) -> Iterator[nn.Module]:
+        """The whole model for a library that calls its forward (lm-eval): every part of it (the
+        front, each block, the final norm, the head) read from the files by :meth:`loaded` as the
+        forward reaches it and let go when it returns, so one part is resident at a time: the
+        reader the pipeline prunes and measures with, not a second mechanism."""
+        parts = [*self.front_modules(), *self.blocks, *self.tail_modules()]
+        held = {id(p) for part in parts for p in part.parameters()}
+        missing = [name for name, p in self.model.named_parameters() if id(p) not in held]
+        if missing:
+            raise UserError(f"'{self.source}' has parameters outside its embeddings, blocks and head ({missing[0]}, ...): "
+                            "it cannot run streamed; use --stream false")
+        open_parts: dict[int, contextlib.ExitStack] = {}
+
+        def load(module, *_):
+            stack = contextlib.ExitStack()
+            stack.enter_context(self.loaded(module, device=device))
+            open_parts[id(module)] = stack
+
+        def let_go(module, *_):
+            stack = open_parts.pop(id(module), None)
+            if stack is not None:
+                stack.close()
+
+        hooks = [h for part in parts for h in (part.register_forward_pre_hook(load), part.register_forward_hook(let_go))]
+        try:
+            yield self.model
+        finally:
+            for hook in hooks:
+                hook.remove()
+            for stack in open_parts.values():
+                stack.close()

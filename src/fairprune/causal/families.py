@@ -75,7 +75,7 @@ class Family:
         if not self.has_heads:
             raise UserError(f"{what} needs the attention heads' layout, and the {self.name} family's attention was "
                             "not recognised (separate q/k/v or one fused projection with an output projection); add "
-                            "a row to fairprune.families.FAMILIES (see docs/extending.md)")
+                            "a row to fairprune.causal.families.FAMILIES (see docs/extending.md)")
 
     @property
     def heads_shrinkable(self) -> bool:
@@ -254,6 +254,6 @@ def _get(root: nn.Module, path: str, missing_ok: bool = False):
                 return None
             raise UserError(
                 f"{type(root).__name__} has no submodule {path!r}; the family table in "
-                "fairprune.families does not match this model"
+                "fairprune.causal.families does not match this model"
             )
     return obj

@@ -1,0 +1,293 @@
+"""A causal LM as a sequence of blocks: the one interface the LM pipeline works through.
+
+Every post-training step — capturing block 0's inputs, the layer-by-layer calibration and solve,
+perplexity and pair scores, FASP's head scores, the lm-eval pass, the dense cache's weights digest —
+sees a model through :class:`BlockModel`, written down here as an abstract class:
+
+- the parts: ``model`` (the transformers module: parameters real, or on ``meta`` until loaded),
+  ``family`` (its structure, found from the model: :func:`fairprune.causal.families.family_of`),
+  :meth:`~BlockModel.front_modules` (embeddings), ``blocks``, :meth:`~BlockModel.tail_modules`
+  (final norm, then the head) and :meth:`~BlockModel.layers` (the prunable layers by name);
+- loading a part: :meth:`~BlockModel.loaded`, a context in which the given modules are resident on
+  the compute device;
+- reading and writing a part: :meth:`~BlockModel.read_output` (a state-dict entry as
+  ``save_pretrained`` writes it) and :meth:`~BlockModel.writer` (where solved blocks go as they are
+  solved);
+- saving: :meth:`~BlockModel.save` with :class:`SaveOptions`;
+- running: :meth:`~BlockModel.forward`, the block forward (:mod:`fairprune.causal.forward`) over
+  batches, every block loaded once for all of them, and :meth:`~BlockModel.head`, the logits of
+  its output; :meth:`~BlockModel.runnable`, the whole model for a library that calls its forward
+  (lm-evaluation-harness);
+- measuring: the one implementation, :func:`fairprune.metrics.language.measure_lm_items`, runs on
+  this interface (through :meth:`forward` and :meth:`head`), whichever kind the model is.
+
+Two kinds implement it. :class:`Resident` is a model in memory: loading a part moves it to the
+compute device and back (nothing on a CPU run). :class:`fairprune.causal.streamed.StreamedModel`
+keeps its weights in the folder's safetensors files and reads a part only while it is loaded, so a
+model larger than memory is pruned and measured with one block resident. Which one a run uses is
+decided once, where the model is opened (:func:`fairprune.workflows.opened.open_lm`).
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from fairprune.causal.families import family_of
+from fairprune.causal.forward import CalibInput, capture_block_inputs, run_block
+
+
+def device_of(module: nn.Module) -> torch.device:
+    """Where a module's first parameter (or buffer) lives; CPU for an empty one."""
+    tensor = next(module.parameters(), None)
+    if tensor is None:
+        tensor = next(module.buffers(), None)
+    return tensor.device if tensor is not None else torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """How a pruned LM is saved, whichever way it was held (``save`` of the resident and the
+    streamed block model both take it; each uses what applies to it).
+
+    Args:
+        save_format: dense, or compressed (the sparse layouts; a model in memory only).
+        nm: the N:M pattern pruned to, for the 2:4 layout.
+        quantize: none, w4a16, w8a16 or their -gptq forms.
+        quant_group_size: the quantization group size asked for.
+        trust_remote_code: passed to transformers when the saved folder is loaded back.
+        progress: progress bars while writing and loading back.
+    """
+
+    save_format: str = "dense"
+    nm: tuple[int, int] | None = None
+    quantize: str = "none"
+    quant_group_size: int = 128
+    trust_remote_code: bool = False
+    progress: bool = True
+
+
+class BlockModel(abc.ABC):
+    """The block-model interface (see the module docstring): the parts by the family's structure
+    and their state-dict names, the block forward; what loads, reads, writes and saves a part is
+    each kind's own."""
+
+    streamed = False
+    #: ``--quantize``'s plan (:class:`fairprune.pruning.gptq.LayerQuantizer`), set by the run that
+    #: writes the model quantized: GPTQ solves each layer after its prune, the writer stores its scales.
+    quantizer = None
+    dtype: torch.dtype
+
+    def __init__(self, model: nn.Module, source: str, load=None):
+        self.model, self.config, self.source = model, model.config, source
+        self._prefix = {id(m): name for name, m in model.named_modules()}
+        self.family = family_of(model, load)  # ``load``: how discovery makes parts resident (streamed)
+        self.blocks = list(self.family.block_list(model))
+
+    # -- the parts --------------------------------------------------------------------------------
+    def prefix(self, module: nn.Module) -> str:
+        """The state-dict prefix of a submodule (``"model.layers.3."``)."""
+        name = self._prefix[id(module)]
+        return f"{name}." if name else ""
+
+    def front_modules(self) -> list[nn.Module]:
+        """The modules that run before block 0."""
+        return self.family.front_modules(self.model)
+
+    def tail_modules(self) -> list[nn.Module]:
+        """The modules that run after the last block, the head last."""
+        return self.family.tail_modules(self.model)
+
+    def layers(self) -> dict[str, nn.Module]:
+        """The prunable layers of every block by full module name (no weights read)."""
+        return {self.prefix(layer)[:-1]: layer for block in self.blocks
+                for layer in self.family.block_linears(block).values()}
+
+    @property
+    def owner(self) -> nn.Module:
+        """The module whose forward runs the blocks (``LlamaModel``, OPT's decoder)."""
+        parent, _, _ = self._prefix[id(self.family.block_list(self.model))].rpartition(".")
+        return self.model.get_submodule(parent)
+
+    def state_of(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """The (loaded) state-dict entries of ``module`` under their full names."""
+        yield from module.state_dict(prefix=self.prefix(module)).items()
+
+    # -- what each kind does its own way ----------------------------------------------------------
+    @abc.abstractmethod
+    def loaded(self, *modules: nn.Module, device: str | torch.device = "cpu") -> contextlib.AbstractContextManager:
+        """A context in which ``modules`` are resident on ``device``, as they were after it."""
+
+    @abc.abstractmethod
+    def read_output(self, name: str) -> torch.Tensor:
+        """The state-dict entry ``name`` as ``save_pretrained`` of the model writes it."""
+
+    @abc.abstractmethod
+    def writer(self, out):
+        """Where solved blocks are written as they are solved (None: the model is saved whole)."""
+
+    @abc.abstractmethod
+    def save(self, out, output, tokenizer, writer, method: str, options: SaveOptions) -> tuple[BlockModel, dict | None]:
+        """The pruned model into ``out`` (None: this rank does not write; ``output``: the run's
+        folder, for messages): the model the run measures, and the ``weights`` facts written."""
+
+    @abc.abstractmethod
+    def runnable(self, device) -> contextlib.AbstractContextManager:
+        """A context giving the whole model, its forward callable as transformers' (lm-eval)."""
+
+    @abc.abstractmethod
+    def weight_bytes(self) -> int:
+        """Bytes of the weights ``save_pretrained`` writes."""
+
+    @abc.abstractmethod
+    def saved_bytes(self, tokenizer) -> int:
+        """About what the pruned model's folder takes on disk (weights and tokenizer files)."""
+
+    @abc.abstractmethod
+    def facts(self) -> dict[str, int]:
+        """The sizes a report's ``memory`` records."""
+
+    # -- running ----------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(self, calls: list[dict[str, torch.Tensor]], device, progress: bool = False,
+                desc: str = "blocks") -> list[torch.Tensor]:
+        """The hidden states after the last block and the final norm (the head's input) of each
+        call (``input_ids`` and optionally ``attention_mask``), every block loaded once for all of them."""
+        inputs = [CalibInput(call["input_ids"], attention=call.get("attention_mask")) for call in calls]
+        batches = capture_block_inputs(self, inputs, device)
+        for index, block in enumerate(tqdm(self.blocks, desc=desc, unit="block", leave=False, disable=not progress)):
+            with self.loaded(block, device=device):
+                batches = run_block(index, block, batches)
+        tails = self.tail_modules()[:-1]
+        out = []
+        with self.loaded(*tails, device=device):
+            for b in batches:
+                hidden = b.hidden
+                for module in tails:
+                    hidden = module(hidden)
+                out.append(hidden)
+        return out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The model's logits for final hidden states (after the tail; the head loaded): the
+        head and whatever the model's own forward does after it (Gemma's soft-capping)."""
+        from fairprune.causal.structure import head_logits
+
+        return head_logits(self.model, self.owner, hidden)
+
+    @contextlib.contextmanager
+    def head(self, device) -> Iterator[Any]:
+        """The logits of final hidden states (:meth:`logits`), the output head loaded for the time
+        of the block."""
+        with self.loaded(self.model.get_output_embeddings(), device=device):
+            yield self.logits
+
+
+class Resident(BlockModel):
+    """A model in memory, as blocks (see the module docstring)."""
+
+    def __init__(self, model: nn.Module, source: str | None = None):
+        super().__init__(model, source or getattr(model.config, "_name_or_path", "") or type(model).__name__)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    @contextlib.contextmanager
+    def loaded(self, *modules: nn.Module, device: str | torch.device = "cpu") -> Iterator[None]:
+        """``modules`` on ``device`` for the time of the block, back where they were after it."""
+        homes = [device_of(m) for m in modules]
+        try:
+            for module in modules:
+                module.to(device)
+            yield
+        finally:
+            for module, home in zip(modules, homes):
+                module.to(home)
+
+    def read_output(self, name: str) -> torch.Tensor:
+        """A state-dict entry (what ``save_pretrained`` writes under ``name``), found by its path:
+        the digest reads every entry, and building the whole state dict for each would be quadratic."""
+        path, _, leaf = name.rpartition(".")
+        return getattr(self.model.get_submodule(path) if path else self.model, leaf).detach()
+
+    def weight_bytes(self) -> int:
+        """Bytes of the weights ``save_pretrained`` writes (a shared tensor once)."""
+        from fairprune.hub.compressed import dense_weight_bytes
+
+        return dense_weight_bytes(self.model)
+
+    def saved_bytes(self, tokenizer) -> int:
+        """About what the pruned model's folder takes on disk (weights and tokenizer files)."""
+        from fairprune.hub.checks import saved_bytes
+
+        return saved_bytes(self.model, tokenizer)
+
+    def writer(self, out) -> None:
+        """None: a model in memory is saved whole once pruned (:meth:`save`)."""
+        return None
+
+    def save(self, out, output, tokenizer, writer, method: str, options: SaveOptions) -> tuple[Resident, dict | None]:
+        """The pruned model into ``out`` (None on ranks that do not write; ``output``: the run's
+        folder, for messages), refused when not finite on every rank: the model the run measures
+        and the ``weights`` facts of the files written. That model is this one (pruned in place),
+        or with ``quantize`` (w4a16, w8a16, their -gptq forms: :mod:`fairprune.hub.quantized`) the one plain
+        ``from_pretrained`` loads back from ``out``, in this model's dtype, so the figures are
+        those of the folder as it ships."""
+        from fairprune.hub.checks import check_result
+        from fairprune.hub.compressed import save_weights
+
+        check_result(self.model, output, method)
+        if out is None:
+            return self, None
+        quantize, progress = options.quantize, options.progress
+        if quantize != "none":
+            from fairprune.hub.quantized import load_quantized, save_quantized
+
+            scales = self.quantizer.scales if self.quantizer is not None else None
+            weights = save_quantized(self.model, out, quantize, options.quant_group_size, layers=self.layers(),
+                                     progress=progress, scales=scales)
+            tokenizer.save_pretrained(out)
+            loaded = load_quantized(out, self.dtype, options.trust_remote_code, progress=progress)
+            return Resident(loaded, source=self.source), weights
+        weights = save_weights(self.model, out, options.save_format, options.nm, self.layers())
+        tokenizer.save_pretrained(out)
+        return self, weights
+
+    @contextlib.contextmanager
+    def runnable(self, device) -> Iterator[nn.Module]:
+        """The model itself on ``device``, back where it was afterwards."""
+        home = device_of(self.model)
+        try:
+            yield self.model.to(device)
+        finally:
+            self.model.to(home)
+
+    def facts(self) -> dict[str, int]:
+        """The sizes a report's ``memory`` records."""
+        return {"model_bytes": self.weight_bytes()}
+
+
+def as_blocks(model) -> BlockModel:
+    """``model`` as blocks: a :class:`Resident` for an ``nn.Module``, a block model as it is."""
+    return model if isinstance(model, BlockModel) else Resident(model)
+
+
+@torch.no_grad()
+def zero_fraction(blocks) -> float:
+    """The share of exact zeros in the prunable layers of every block, one block loaded at a time."""
+    zeros = total = 0
+    for block in blocks.blocks:
+        layers = list(blocks.family.block_linears(block).values())
+        with blocks.loaded(*layers):
+            for layer in layers:
+                zeros += int((layer.weight == 0).sum())
+                total += layer.weight.numel()
+    return zeros / total if total else 0.0
