@@ -126,13 +126,13 @@ def test_a_task_file_in_the_wrong_format_names_file_format_and_source(tiny_lm, t
     assert not (tmp_path / "out").exists()
 
 
-def test_streamed_runs_score_tasks_on_a_disk_offloaded_model_as_in_memory(tiny_lm, tmp_path, monkeypatch):
-    """``--stream true --tasks``: lm-eval runs on the model loaded with transformers' disk offload,
-    and gives the in-memory run's figures; with a budget below the model's size its weights are
-    read from the offload folder."""
+def test_streamed_runs_score_tasks_through_the_block_reader_as_in_memory(tiny_lm, tmp_path, monkeypatch):
+    """``--stream true --tasks``: lm-eval runs on the streamed model, each part read from the
+    model's files by the pipeline's own reader as the forward reaches it, and gives the in-memory
+    run's figures; while a block runs, it is the only part of the model resident."""
     from transformers import AutoTokenizer
 
-    from fairprune.hub.offload import offloaded
+    from fairprune.causal.streamed import StreamedModel
     from fairprune.metrics.harness import resolve_tasks
     from fairprune.workflows.options import LMOptions
     from fairprune.workflows.tasks import measure_tasks
@@ -142,17 +142,22 @@ def test_streamed_runs_score_tasks_on_a_disk_offloaded_model_as_in_memory(tiny_l
     for stream in ("false", "true"):
         assert prune_main(["sparsegpt", *_common(tiny_lm), *tasks, "--stream", stream, "--output", str(tmp_path / stream)]) == 0
     memory, streamed = (json.loads((tmp_path / s / "report.json").read_text()) for s in ("false", "true"))
-    assert streamed["tasks"]["facts"]["offload"]["how"] == "accelerate disk offload"
+    assert streamed["tasks"]["facts"]["streamed"]["largest_part_bytes"] > 0
+    assert "streamed" not in memory["tasks"]["facts"]
     assert {k: v for k, v in streamed["metrics"].items() if "/" in k} == {k: v for k, v in memory["metrics"].items() if "/" in k}
     assert streamed["paired"]["mmlu/acc"] == memory["paired"]["mmlu/acc"]
 
     lm = LMOptions(model=str(tmp_path / "true"), tasks=["mmlu", "bbq_ambig_letter"], limit=20)
     specs = resolve_tasks(["mmlu", "bbq_ambig_letter"], {})
-    load, facts = offloaded(tmp_path / "true", lm, budget_bytes=20_000)  # far below the model's 150 KB
-    spilled = measure_tasks(None, AutoTokenizer.from_pretrained(tmp_path / "true"), specs, lm, "cpu", progress=False,
-                            offload=(load, facts))
-    assert facts["on_disk"]  # the weights were read from disk
-    assert spilled.figures == streamed["tasks"]["figures"]
+    sm = StreamedModel(tmp_path / "true")
+    resident: list[int] = []
+    for block in sm.blocks:  # registered before the reader's own hooks: it runs while the block is loaded
+        block.register_forward_hook(
+            lambda *_: resident.append(sum(p.numel() for p in sm.model.parameters() if p.device.type != "meta")))
+    got = measure_tasks(sm, AutoTokenizer.from_pretrained(tmp_path / "true"), specs, lm, "cpu", progress=False)
+    assert got.figures == streamed["tasks"]["figures"]
+    assert resident and max(resident) == max(sum(p.numel() for p in b.parameters()) for b in sm.blocks)
+    assert all(p.device.type == "meta" for p in sm.model.parameters())  # every part let go afterwards
 
 
 def test_fasp_scores_the_tasks_before_and_after_removing_heads(tiny_lm, tmp_path, monkeypatch):
