@@ -134,8 +134,8 @@ def test_streamed_runs_score_tasks_on_a_disk_offloaded_model_as_in_memory(tiny_l
 
     from fairprune.hub.offload import offloaded
     from fairprune.metrics.harness import resolve_tasks
-    from fairprune.workflows.options import LMOptions
-    from fairprune.workflows.tasks import measure_tasks
+    from fairprune.pruning.options import LMOptions
+    from fairprune.pruning.tasks import measure_tasks
 
     monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path / "cache"))
     tasks = ["--tasks", "[mmlu, bbq_ambig_letter]", "--limit", "20", "--dense_cache", "false"]
