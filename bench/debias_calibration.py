@@ -210,7 +210,7 @@ def main() -> None:
     from fairprune.hub import converted, load_model, load_tokenizer, resolve_name
     from fairprune.metrics.language import eval_ids, perplexity
     from fairprune.pruning.calibration import PAIR_BATCH
-    from fairprune.pruning.llm import block_targets, prune_causal_lm
+    from fairprune.pruning.llm import Batching, block_targets, prune_causal_lm
     from fairprune.pruning.sparsity import Sparsity
 
     config = yaml.safe_load(CONFIG.read_text())
@@ -230,7 +230,7 @@ def main() -> None:
     runs, models = {}, {}
     plan = [("sparsegpt", lambda m: prune_causal_lm(m, "sparsegpt", sparsity, calib, progress=False)["seconds"]["solve"]),
             ("debias-sparsegpt", lambda m: prune_causal_lm(m, "debias-sparsegpt", sparsity, calib, pairs, progress=False,
-                                                           pair_batch_size=pair_batch)["seconds"]["solve"])]
+                                                           batching=Batching(pairs=pair_batch))["seconds"]["solve"])]
     plan.append(("sparsegpt, same tokens", lambda m: prune_same_tokens(m, sparsity, calib, pairs, pair_batch)))
     plan = plan * args.repeats  # interleaved; the fastest of each is reported (a shared machine only slows runs down)
     if not args.skip_before:

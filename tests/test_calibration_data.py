@@ -167,11 +167,9 @@ def test_debias_sparsegpt_calibrates_on_pairs_and_rendered_chat_rows(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fairprune.causal.blocks import Resident
-    from fairprune.pruning.options import SolverOptions
+    from fairprune.pruning.lm_run import dense_of, prune_run
+    from fairprune.pruning.options import LMOptions, SolverOptions
     from fairprune.pruning.sparsity import Sparsity
-    from fairprune.workflows.lm_run import prune_run
-    from fairprune.workflows.opened import dense_of
-    from fairprune.workflows.options import LMOptions, MachineOptions
     from tiny_models import tiny_gpt2_folder
 
     tiny_gpt2_folder(tmp_path)
@@ -182,10 +180,10 @@ def test_debias_sparsegpt_calibrates_on_pairs_and_rendered_chat_rows(tmp_path):
     texts = lm_texts(str(calib), str(tmp_path / "eval.txt"))
     texts = texts._replace(calib_pairs=texts.calib_pairs[:6], eval_pairs=texts.eval_pairs[:6])
     lm = LMOptions(model=str(tmp_path / "dense"), nsamples=4, seqlen=16, eval_tokens=64, dense_cache=False, stream=False)
-    blocks, machine = Resident(model), MachineOptions(quiet=True)
-    ids, dense = dense_of(blocks, tokenizer, texts, lm, machine)
-    report = prune_run(blocks, tokenizer, "debias-sparsegpt", Sparsity.parse("0.5"), tmp_path / "out", texts, lm,
-                       SolverOptions(), machine, {}, ids=ids, dense=dense)
+    blocks = Resident(model)
+    measuring = dense_of(blocks, tokenizer, texts, lm, progress=False)
+    report = prune_run(blocks, "debias-sparsegpt", Sparsity.parse("0.5"), tmp_path / "out", measuring, lm, SolverOptions(),
+                       {}, progress=False)
     assert report["calibration"]["nsamples"] == 4 and report["calibration"]["pairs"] == 6
     assert abs(report["achieved_sparsity"] - 0.5) < 0.01
 

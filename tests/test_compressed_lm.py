@@ -233,7 +233,7 @@ def test_bad_values_are_one_line(args, needle, lm_folders, tmp_path, capsys):
 
 def test_library_errors_are_user_errors(tmp_path):
     from fairprune.hub.compressed import check_save_format, decompress_state_dict, torch_dtype
-    from fairprune.workflows.options import LMOptions
+    from fairprune.pruning.options import LMOptions
 
     with pytest.raises(UserError, match="--save_format"):
         LMOptions(model="m", save_format="sparse")

@@ -15,7 +15,7 @@ import torch
 
 from fairprune.causal.families import family_of, linear_weight, set_linear_weight
 from fairprune.pruning.calibration import make_inputs, run_layerwise
-from fairprune.pruning.llm import prune_causal_lm
+from fairprune.pruning.llm import Batching, prune_causal_lm
 from fairprune.pruning.sparsegpt import PairedHessian, sparsegpt_solve
 from fairprune.pruning.sparsity import Sparsity
 from tiny_models import BUILDERS, VOCAB
@@ -179,7 +179,7 @@ def test_debias_prune_gives_the_per_pair_oracle_weights(model_type, sparsity):
     same solver: the same weights to float tolerance, the same masks but for near-ties."""
     pairs, calib, target = ragged_pairs(9, seed=5), windows(4, 12, seed=6), Sparsity.parse(sparsity)
     batched, oracle = build(model_type), build(model_type)
-    prune_causal_lm(batched, "debias-sparsegpt", target, calib_ids=calib, pairs=pairs, progress=False, pair_batch_size=4)
+    prune_causal_lm(batched, "debias-sparsegpt", target, calib_ids=calib, pairs=pairs, progress=False, batching=Batching(pairs=4))
     oracle_prune(oracle, target, pairs, calib)
     got, want = all_layers(batched), all_layers(oracle)
     for name in want:

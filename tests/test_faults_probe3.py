@@ -226,7 +226,7 @@ def test_limit_and_fewshot_mistakes_are_one_line(args, needle, tiny, tmp_path, c
 
 
 def test_one_task_and_one_task_file_need_no_brackets():
-    from fairprune.workflows.options import LMOptions
+    from fairprune.pruning.options import LMOptions
 
     lm = LMOptions(model="m", tasks="bbq_ambig", task_data="bbq=/data/BBQ/Age.jsonl")
     assert lm.tasks == ["bbq_ambig"] and lm.task_data == ["bbq=/data/BBQ/Age.jsonl"]

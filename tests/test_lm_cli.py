@@ -83,6 +83,59 @@ def test_fit_trains_then_prunes(trained):
     assert dense_report["threads"] == report["threads"] == 1
 
 
+def test_the_callback_run_is_the_commands_run(tmp_path, monkeypatch):
+    """The post-training callback runs the LM commands' run (prune_run): the dense reference with its
+    intervals and the paired differences, the split timings, the memory facts, the per-item
+    outcomes; a second fit of the same seeded model takes the dense figures from the project cache,
+    and ``lm_eval`` adds lm-eval's figures for the dense and the pruned model."""
+    monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path / "cache"))
+
+    def fit(version: str, *extra: str) -> dict:
+        assert train_main(["fit", "--config", str(ROOT / "configs/lm/tiny_gpt2_sparsegpt.yaml"), *TINY,
+                           "--model.init_args.config", GPT2, "--trainer.logger.init_args.save_dir", str(tmp_path),
+                           "--trainer.logger.init_args.version", version, "--trainer.enable_progress_bar", "false",
+                           "--trainer.callbacks.init_args.calibration.nsamples", "4",
+                           "--trainer.callbacks.init_args.calibration.seqlen", "32",
+                           "--trainer.callbacks.init_args.calibration.eval_tokens", "256",
+                           "--trainer.callbacks.init_args.calibration.device", "cpu", "--threads", "1", *extra]) == 0
+        return json.loads((tmp_path / "lm" / version / "pruned-sparsegpt" / "report.json").read_text())
+
+    first = fit("first")
+    run = tmp_path / "lm" / "first" / "pruned-sparsegpt"
+    reference = first["reference"]
+    assert reference["method"] == "dense" and reference["from_cache"] is False and reference["seconds"] > 0
+    assert set(reference["ci"]) >= {"perplexity", "stereotype_score"} and set(first["paired"]) > {"baseline"}
+    assert first["model"] == str(tmp_path / "lm" / "first" / "model") and first["stream"] is False
+    assert set(first["seconds"]) == {"load", "prune", "solve", "evaluate", "total"}
+    assert first["seconds"]["evaluate"] >= reference["seconds"] and first["seconds"]["total"] >= first["seconds"]["prune"]
+    memory = first["memory"]
+    assert memory["peak_rss_bytes"] >= memory["peak_rss_at_start_bytes"] > 0 and memory["model_bytes"] > 0
+    assert first["weights"]["save_format"] == "dense" and first["evaluation"]["tokens"] == 256
+    assert (run / "eval_items.npz").is_file() and (run / "sparsity.csv").is_file() and (run / "README.md").is_file()
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    assert config["dense_cache"] is True and config["lm_eval"]["tasks"] is None
+
+    second = fit("second", "--trainer.callbacks.init_args.lm_eval.tasks", "[mmlu]",
+                 "--trainer.callbacks.init_args.lm_eval.limit", "10")
+    assert second["reference"]["from_cache"] is True  # the same seeded fit: the same weights
+    assert {k: second["reference"]["metrics"][k] for k in reference["metrics"]} == reference["metrics"]
+    assert "mmlu" in second["tasks"]["figures"] and "mmlu" in second["reference"]["tasks"]
+    assert second["seconds"]["tasks"] >= 0 and (tmp_path / "lm" / "second" / "pruned-sparsegpt" / "task_items.json").is_file()
+
+
+def test_the_callback_refuses_lm_eval_mistakes_before_training():
+    from fairprune.callbacks.post_training import PostTrainingPruning
+    from fairprune.errors import UserError
+    from fairprune.pruning.options import TaskOptions
+
+    with pytest.raises(UserError, match="lm_eval.tasks applies to weight pruning"):
+        PostTrainingPruning(method="fasp", lm_eval=TaskOptions(tasks=["mmlu"]))
+    with pytest.raises(UserError, match="names a task twice"):
+        PostTrainingPruning(lm_eval=TaskOptions(tasks=["mmlu", "mmlu"]))
+    with pytest.raises(UserError, match="no --tasks are given"):
+        TaskOptions(limit=10)
+
+
 @pytest.mark.parametrize("method, sparsity", [("magnitude", "0.5"), ("wanda", "2:4"), ("sparsegpt", "2:4"),
                                               ("debias-sparsegpt", "0.5")])
 def test_prune_commands_write_loadable_models(method, sparsity, trained, tmp_path, small_eval):

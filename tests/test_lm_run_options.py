@@ -18,7 +18,7 @@ from fairprune.cli.prune import main as prune_main
 from fairprune.data.pairs import Pair
 from fairprune.data.text import lm_corpus, stereo_pairs, train_bpe_tokenizer
 from fairprune.metrics.language import eval_ids, perplexity
-from fairprune.workflows.dense import cache_key, weights_digest
+from fairprune.pruning.dense import cache_key, weights_digest
 from fairprune.workflows.options import MachineOptions
 
 FAST = ["--seqlen", "32", "--nsamples", "4", "--device", "cpu"]
@@ -140,7 +140,7 @@ def test_weights_digest_follows_every_weight(lm):
 
 def test_compare_measures_the_dense_model_once(lm, tmp_path, monkeypatch):
     import fairprune.metrics.language as language
-    import fairprune.workflows.dense as dense
+    import fairprune.pruning.dense as dense
 
     calls = {"dense": 0, "measured": 0}
 

@@ -35,9 +35,7 @@ EXCEPTIONS = {
 #: Signatures still over the limit that this change did not reduce (issue #40.5), each with what
 #: holds it back; remove an entry when its function is reduced.
 PENDING = {
-    "workflows/lm_run.py:prune_run": "its options become one LM run options object when every LM run goes through it (issue #40.3)",
     "workflows/vision.py:compare_vision": "its arguments become one comparison object with the one compare loop (issue #40.4)",
-    "pruning/llm.py:prune_causal_lm": "its solver arguments become SolverOptions / CalibrationOptions with prune_run",
     "reporting/compare.py:write_comparison": "the one compare loop (issue #40.4) passes one comparison object",
     "workflows/paired.py:compare_statistics": "the one compare loop (issue #40.4) passes one comparison object",
 }

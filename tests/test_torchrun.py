@@ -177,7 +177,7 @@ def prune_tiny_models() -> dict[str, dict]:
     they are dealt out) and 12 aligned pairs (in batches of five: both ranks get pairs); per run the weights and the perplexity of 40 windows
     (batches of three). Collective under a process group, alone otherwise."""
     from fairprune.metrics.language import perplexity
-    from fairprune.pruning.llm import prune_causal_lm
+    from fairprune.pruning.llm import Batching, prune_causal_lm
     from fairprune.pruning.sparsity import Sparsity
     from tiny_models import BUILDERS
 
@@ -187,8 +187,8 @@ def prune_tiny_models() -> dict[str, dict]:
         torch.manual_seed(0)
         model = BUILDERS[family]().eval()
         prune_causal_lm(model, method, Sparsity.parse(sparsity), calib_ids=calib,
-                        pairs=pairs if method == "debias-sparsegpt" else None, progress=False, batch_size=2,
-                        pair_batch_size=5)
+                        pairs=pairs if method == "debias-sparsegpt" else None, progress=False,
+                        batching=Batching(windows=2, pairs=5))
         out[f"{family} {method} {sparsity}"] = {"weights": {k: v.clone() for k, v in model.state_dict().items()},
                                                 "perplexity": perplexity(model, eval_ids, seqlen=16, batch_size=3)}
     return out
@@ -273,7 +273,7 @@ def test_each_rank_works_on_its_shard(monkeypatch, one_thread):
         "win": [False, True, False, False], "decided": [False, True, False, False], "anti": [False, True, False, False]}
     assert scored == ["a1", "b1", "a3", "b3"]
     llm.prune_causal_lm(model, "debias-sparsegpt", Sparsity.parse(0.5), calib_ids=calib, pairs=pairs, progress=False,
-                        batch_size=2, pair_batch_size=2)
+                        batching=llm.Batching(windows=2, pairs=2))
     # Batches of two: windows 0-1, 2-3, 4 and pairs 0-1, 2; rank 1 gets windows 2-3 and pair 2.
     plain, paired = seen
     assert torch.equal(plain.ids, calib[2:4]) and not plain.paired
@@ -359,7 +359,7 @@ def prune_tiny_models_streamed(root: Path | str, tag: str) -> dict[str, dict]:
     from fairprune.causal.streamed import StreamedModel
     from fairprune.hub.shards import ShardWriter
     from fairprune.metrics.language import window_losses
-    from fairprune.pruning.llm import prune_causal_lm
+    from fairprune.pruning.llm import Batching, prune_causal_lm
     from fairprune.pruning.sparsity import Sparsity
 
     calib, eval_ids, pairs = tiny_data()
@@ -368,7 +368,7 @@ def prune_tiny_models_streamed(root: Path | str, tag: str) -> dict[str, dict]:
         sm = StreamedModel(root / family)
         folder = root / f"{tag}-{family}-{method}-{sparsity.replace(':', 'of')}"
         writer = ShardWriter(folder, sm.output_tensors(), total_parameters=sm.num_parameters()) if distributed.is_main() else None
-        prune_causal_lm(sm, method, Sparsity.parse(sparsity), calib_ids=calib, progress=False, writer=writer, batch_size=2,
+        prune_causal_lm(sm, method, Sparsity.parse(sparsity), calib_ids=calib, progress=False, writer=writer, batching=Batching(windows=2),
                         pairs=pairs if method == "debias-sparsegpt" else None)
         if writer is not None:
             writer.close()

@@ -1,14 +1,19 @@
 """Post-training pruning when ``fit`` ends: train a causal LM, then prune it in the same run.
 
 ``train.py fit --config configs/lm/tiny_gpt2_sparsegpt.yaml`` trains the bundled LM, writes it to
-``<run>/model``, then this callback prunes a copy with the chosen method (the same code as
-``prune.py <method>`` / ``prune.py fasp``) and writes ``<run>/pruned-<method>/`` (HF folder,
-``report.json`` with the before / after perplexity and stereotype score). Calibration and
-evaluation text come from the data module (its train / validation text), the paired set from
+``<run>/model``, then this callback prunes a copy with the chosen method and writes
+``<run>/pruned-<method>/`` (HF folder, ``report.json`` with the before / after perplexity and
+stereotype score). A weight method runs the run every ``prune.py <method>`` runs
+(:func:`fairprune.pruning.lm_run.prune_run`): the dense figures as the reference (from the project
+cache when an earlier run measured the same weights on the same texts, unless ``dense_cache:
+false``), lm-eval's figures with ``lm_eval.tasks``, the timings and memory, the same report and
+folder, swapped in whole. A head method runs ``prune.py fasp``'s code. Calibration and evaluation
+text come from the data module (its train / validation text), the paired set from
 ``calibration.pairs`` (bundled by default).
 
 The options are the commands' own types, with their names and defaults: ``calibration``
 (:class:`~fairprune.pruning.options.CalibrationOptions`: nsamples, seqlen, device, seed, ...),
+``lm_eval`` (:class:`~fairprune.pruning.options.TaskOptions`: tasks, task_data, limit, num_fewshot),
 ``solver`` (:class:`~fairprune.pruning.options.SolverOptions`) and ``heads``
 (:class:`~fairprune.pruning.options.HeadOptions`).
 """
@@ -24,17 +29,18 @@ import lightning as L
 
 from fairprune import distributed
 from fairprune.callbacks.report import run_dir
+from fairprune.causal.blocks import Resident
 from fairprune.data.pairs import LMTexts, read_pairs, split_pairs
-from fairprune.data.text import calibration_ids, paired_ids, stereo_pairs
+from fairprune.data.text import stereo_pairs
 from fairprune.errors import UserError
-from fairprune.hub import resolve_device
 from fairprune.hub.checks import check_input_model, saved_bytes
-from fairprune.metrics.language import eval_ids, measure_lm_items
+from fairprune.memory import peak_rss_bytes
 from fairprune.pruning import registry
-from fairprune.pruning.llm import calibration_facts, evaluation_facts, lm_report, prune_causal_lm
-from fairprune.pruning.options import CalibrationOptions, HeadOptions, SolverOptions
+from fairprune.pruning.lm_run import Clock, dense_of, prune_run
+from fairprune.pruning.options import CalibrationOptions, HeadOptions, LMOptions, SolverOptions, TaskOptions
 from fairprune.pruning.sparsity import Sparsity
-from fairprune.reporting.runs import write_head_run, write_run
+from fairprune.pruning.tasks import task_specs
+from fairprune.reporting.runs import write_head_run
 from fairprune.storage.folders import check_free_space
 
 
@@ -49,11 +55,14 @@ class PostTrainingPruning(L.Callback):
         solver: SparseGPT's settings.
         heads: head pruning settings (as prune.py fasp).
         save_format: weight methods: dense (save_pretrained) or compressed (compressed-tensors' sparse layouts).
+        lm_eval: weight methods: lm-evaluation-harness tasks measured on the dense and the pruned model (as prune.py's --tasks).
+        dense_cache: reuse the dense model's figures an earlier run measured on the same weights, texts and settings; false: measure again.
     """
 
     def __init__(self, method: str = "sparsegpt", sparsity: str = "0.5",
                  calibration: CalibrationOptions = CalibrationOptions(), solver: SolverOptions = SolverOptions(),
-                 heads: HeadOptions = HeadOptions(), save_format: str = "dense") -> None:
+                 heads: HeadOptions = HeadOptions(), save_format: str = "dense",
+                 lm_eval: TaskOptions = TaskOptions(), dense_cache: bool = True) -> None:
         from fairprune.hub.compressed import check_can_compress
 
         self.entry = registry.get(method, ("lm", "heads"), what="post-training")
@@ -63,7 +72,11 @@ class PostTrainingPruning(L.Callback):
         if save_format != "dense" and self.entry.kind != "lm":
             raise UserError(f"save_format {save_format} applies to weight pruning; {method} removes heads and writes "
                             "a dense folder")
-        self.save_format = save_format
+        if lm_eval.tasks and self.entry.kind != "lm":
+            raise UserError(f"lm_eval.tasks applies to weight pruning here; {method} removes heads: run prune.py fasp "
+                            "--tasks [...] on the trained model for its lm-eval figures")
+        self.specs = task_specs(lm_eval)  # --tasks / --task_data mistakes, before training
+        self.save_format, self.lm_eval, self.dense_cache = save_format, lm_eval, dense_cache
         self.method, self.calibration, self.solver, self.heads = method, calibration, solver, heads
         self.report: dict[str, Any] | None = None
 
@@ -83,8 +96,8 @@ class PostTrainingPruning(L.Callback):
 
     def _config(self) -> dict[str, Any]:
         return {"method": self.method, "sparsity": None if self.sparsity is None else str(self.sparsity),
-                "save_format": self.save_format,
-                "calibration": asdict(self.calibration), "solver": asdict(self.solver), "heads": asdict(self.heads)}
+                "save_format": self.save_format, "calibration": asdict(self.calibration), "solver": asdict(self.solver),
+                "heads": asdict(self.heads), "lm_eval": asdict(self.lm_eval), "dense_cache": self.dense_cache}
 
     @staticmethod
     def _checked_copy(trainer: L.Trainer, pl_module: L.LightningModule, out) -> Any:
@@ -95,34 +108,33 @@ class PostTrainingPruning(L.Callback):
         check_free_space(out, saved_bytes(model, pl_module.tokenizer), option="the pruned model's folder")
         return model
 
+    def _lm_options(self, trainer: L.Trainer, model) -> LMOptions:
+        """The run's options as a command's: the callback's calibration and lm-eval settings, the
+        trained model (``<run>/model``) in its own dtype, kept in memory."""
+        from fairprune.hub.compressed import dtype_name
+
+        return LMOptions(model=str(run_dir(trainer) / "model"), **asdict(self.calibration), **asdict(self.lm_eval),
+                         dense_cache=self.dense_cache, dtype=dtype_name(next(model.parameters()).dtype),
+                         save_format=self.save_format, stream=False)
+
     def _prune_weights(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """The run every LM weight-pruning command runs (:func:`fairprune.pruning.lm_run.prune_run`),
+        on a copy of the trained model: the dense figures (from the project cache when an earlier
+        run measured the same weights), the lm-eval pass with ``lm_eval.tasks``, the report with its
+        timings and memory, the folder swapped in whole."""
+        start, rss_start = time.perf_counter(), peak_rss_bytes()
         train_text, val_text = trainer.datamodule.texts()
         c = self.calibration
         calib_pairs, eval_pairs = split_pairs(read_pairs(c.pairs) if c.pairs else stereo_pairs(), c.seed)
         out = run_dir(trainer) / f"pruned-{self.method}"
         model = self._checked_copy(trainer, pl_module, out)
-        texts = LMTexts(train_text, val_text, calib_pairs, eval_pairs)
-        tokenizer, device, talk = pl_module.tokenizer, resolve_device(c.device), trainer.progress_bar_callback is not None
-        ids = eval_ids(val_text, tokenizer, c.eval_tokens)
-        start = time.perf_counter()
-        before, before_items = measure_lm_items(model, tokenizer, ids, eval_pairs, c.window, device, progress=talk)
-        calib = calibration_ids(tokenizer, train_text, c.nsamples, c.seqlen, c.seed) if self.entry.uses_data else None
-        pairs = paired_ids(tokenizer, calib_pairs, c.seqlen) if self.entry.paired else None
-        measured = time.perf_counter()
-        result = prune_causal_lm(model.cpu(), self.method, self.sparsity, calib, pairs, device, self.solver.percdamp,
-                                 self.solver.blocksize, progress=talk)
-        pruned = time.perf_counter()
-        after, items = measure_lm_items(model, tokenizer, ids, eval_pairs, c.window, device, progress=talk)
-        model.to("cpu")
-        self.report = lm_report(  # the report every LM run writes, the commands' own builder
-            result, after, items, before, before_items, model=str(run_dir(trainer) / "model"),
-            calibration=calibration_facts(texts, c.nsamples if calib is not None else 0, c.seqlen, pairs is not None),
-            evaluation=evaluation_facts(ids, c.window, c.eval_tokens, eval_pairs, tokenizer),
-            seconds={"prune": pruned - measured, "solve": result["seconds"]["solve"],
-                     "evaluate": (measured - start) + (time.perf_counter() - pruned), "total": time.perf_counter() - start})
-        write_run(out, model, tokenizer, self.report, self._config(), result["layers"], save_format=self.save_format,
-                  nm=self.sparsity.nm, items=(items, None))
-        print(f"[{self.method}] perplexity {before['perplexity']:.2f} → {after['perplexity']:.2f}; written to {out}", flush=True)
+        lm = self._lm_options(trainer, model)
+        blocks, talk = Resident(model, source=lm.model), trainer.progress_bar_callback is not None
+        load_seconds = time.perf_counter() - start
+        measuring = dense_of(blocks, pl_module.tokenizer, LMTexts(train_text, val_text, calib_pairs, eval_pairs), lm,
+                             talk, self.specs)
+        self.report = prune_run(blocks, self.method, self.sparsity, out, measuring, lm, self.solver, self._config(),
+                                Clock(load_seconds, rss_start), talk)
 
     def _prune_heads(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from fairprune.data.prompts import read_prompts

@@ -25,7 +25,7 @@ Two kinds implement it. :class:`Resident` is a model in memory: loading a part m
 compute device and back (nothing on a CPU run). :class:`fairprune.causal.streamed.StreamedModel`
 keeps its weights in the folder's safetensors files and reads a part only while it is loaded, so a
 model larger than memory is pruned and measured with one block resident. Which one a run uses is
-decided once, where the model is opened (:func:`fairprune.workflows.opened.open_lm`).
+decided once, where the model is opened (:func:`fairprune.workflows.opened.open_blocks`).
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The ``prune.py`` command line, built by jsonargparse from the workflow functions' signatures.
 
 Each subcommand is a workflow function: its parameters are the command's options, with their types
-and the help from its docstring. A parameter typed with an option group of
-:mod:`fairprune.workflows.options` (``LMOptions``, ``SolverOptions``, ``HeadOptions``) adds that
-group's options flat (``--model``, ``--seqlen``, ...), so every LM command shares one set of names.
+and the help from its docstring. A parameter typed with an option group (``LMOptions``,
+``SolverOptions``, ``HeadOptions``: :mod:`fairprune.pruning.options`) adds that group's options
+flat (``--model``, ``--seqlen``, ...), so every LM command shares one set of names.
 Every subcommand takes ``--config file.yaml`` (keys = the option names), ``--print_config`` and the
 :class:`~fairprune.workflows.options.MachineOptions` (``--threads N``, ``--quiet``): the thread count is
 set before the workflow starts, and ``--quiet`` reaches the workflow (a ``MachineOptions`` parameter)
@@ -27,9 +27,9 @@ from fairprune.cli.guard import guarded
 from fairprune.cli.quiet import quiet_library_warnings
 from fairprune.errors import UserError, suggest
 from fairprune.pruning import registry
-from fairprune.pruning.options import HeadOptions, SolverOptions
+from fairprune.pruning.options import HeadOptions, LMOptions, SolverOptions
 from fairprune.pruning.sparsity import Sparsity
-from fairprune.workflows.options import DataOptions, LMOptions, MachineOptions, TrainerOptions
+from fairprune.workflows.options import DataOptions, MachineOptions, TrainerOptions
 
 
 class Command(NamedTuple):

@@ -1,6 +1,7 @@
 """Post-training pruning of causal LMs: magnitude, Wanda, SparseGPT and Debias-SparseGPT.
 
-:func:`prune_causal_lm` is the one entry point the CLI and the post-training callback call. It
+:func:`prune_causal_lm` is the one entry point of every LM run (:func:`fairprune.pruning.lm_run.prune_run`,
+which the commands and the post-training callback run) and of the library. It
 validates the request, asks the family table where the prunable layers are, runs the shared
 layer-sequential calibration (except for magnitude, which needs no data) and reports the
 achieved sparsity: exact zeros over the prunable linear weights of the transformer blocks.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ from fairprune.metrics.language import LMItems
 from fairprune.pruning import registry
 from fairprune.pruning.calibration import PAIR_BATCH, rank_inputs, run_layerwise
 from fairprune.pruning.masks import Target, achieved_sparsity, sparsity_table
+from fairprune.pruning.options import SolverOptions
 from fairprune.pruning.registry import Method
 from fairprune.pruning.select import magnitude, n_m, top_k
 from fairprune.pruning.sparsity import Sparsity
@@ -92,6 +95,15 @@ def solve_layer(entry: Method, layer: nn.Module, stat, sparsity: Sparsity, setti
     set_linear_weight(layer, distributed.broadcast(W.contiguous()))
 
 
+@dataclass(frozen=True)
+class Batching:
+    """How calibration data is batched: ``windows`` windows and ``pairs`` aligned pairs make one
+    calibration batch (one forward, one statistics term each; :func:`fairprune.pruning.calibration.make_inputs`)."""
+
+    windows: int = 1
+    pairs: int = PAIR_BATCH
+
+
 def prune_causal_lm(
     model,
     method: str,
@@ -99,12 +111,10 @@ def prune_causal_lm(
     calib_ids: torch.Tensor | None = None,
     pairs: tuple[torch.Tensor, ...] | None = None,
     device: str | torch.device = "cpu",
-    percdamp: float = 0.01,
-    blocksize: int = 128,
+    solver: SolverOptions = SolverOptions(),
     progress: bool = True,
-    batch_size: int = 1,
-    pair_batch_size: int = PAIR_BATCH,
     writer=None,
+    batching: Batching = Batching(),
 ) -> dict:
     """Prune ``model`` in place and return ``{"layers": {name: sparsity}, "achieved_sparsity",
     "dense_zero_fraction", "seconds", ...}``.
@@ -116,11 +126,11 @@ def prune_causal_lm(
     alone). ``sparsity``: :meth:`Sparsity.parse` of a fraction or N:M. ``calib_ids`` [n, seq]:
     calibration token ids (optional extra data for a paired method). ``pairs``: ``(ids0, ids1)``
     or ``(ids0, ids1, mask)`` token-aligned stereotypical / anti-stereotypical batches (paired
-    methods only), e.g. from ``fairprune.data.text.paired_ids``. ``batch_size`` windows and
-    ``pair_batch_size`` pairs make one calibration batch (one forward, one statistics term each;
-    :func:`fairprune.pruning.calibration.make_inputs`). ``writer``: a
-    :class:`~fairprune.hub.shards.ShardWriter` each solved block is written to while it is
-    loaded (checked finite first), then every tensor the blocks do not hold; the caller closes it.
+    methods only), e.g. from ``fairprune.data.text.paired_ids``. ``solver``: SparseGPT's damping
+    and block size. ``batching``: how many windows and pairs make one calibration batch.
+    ``writer``: a :class:`~fairprune.hub.shards.ShardWriter` each solved block is written to while
+    it is loaded (checked finite first), then every tensor the blocks do not hold; the caller
+    closes it.
 
     Under ``torch.distributed`` every rank passes the same full ``calib_ids`` / ``pairs`` and
     calibrates on its share of the batches; all ranks end with one process's weights.
@@ -136,7 +146,7 @@ def prune_causal_lm(
         raise UserError(f"--quantize {gptq.quantize} compensates from the layer Hessian: it needs calibration data "
                         "(calib_ids), also for a method that prunes from the weights alone")
     solve_seconds = [0.0]
-    settings = {"blocksize": blocksize, "percdamp": percdamp}
+    settings = {"blocksize": solver.blocksize, "percdamp": solver.percdamp}
     dense_rows, rows = [], []
 
     def prune(name: str, layer: nn.Module, stat) -> None:
@@ -168,7 +178,7 @@ def prune_causal_lm(
         return own if gptq is None else gptq.statistic(own, columns, entry.hessian, device)
 
     calibrated = entry.statistic is not None or gptq is not None
-    inputs = rank_inputs(calib_ids, pairs, batch_size, pair_batch_size) if calibrated else None  # this rank's share
+    inputs = rank_inputs(calib_ids, pairs, batching.windows, batching.pairs) if calibrated else None  # this rank's share
     run_layerwise(blocks, inputs, device, make_stat if calibrated else None, prune,
                   progress and distributed.is_main(), desc=method, after=solved)
     if writer is not None:

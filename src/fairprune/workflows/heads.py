@@ -25,15 +25,15 @@ from fairprune.errors import UserError
 from fairprune.hub import load_model, load_tokenizer, resolve_device
 from fairprune.hub.checks import check_input_model, check_result, saved_bytes
 from fairprune.pruning import registry
-from fairprune.pruning.options import HeadOptions
+from fairprune.pruning.options import HeadOptions, LMOptions
+from fairprune.pruning.tasks import attach, measure_tasks, task_specs
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.records import HeadRow
 from fairprune.reporting.runs import write_head_run
 from fairprune.storage.folders import check_free_space
 from fairprune.storage.lock import locked
 from fairprune.workflows.launch import torchrun
-from fairprune.workflows.options import LMOptions, MachineOptions, model_folder
-from fairprune.workflows.tasks import attach, measure_tasks, task_specs
+from fairprune.workflows.options import MachineOptions, model_folder
 
 
 def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alpha: float, output: Path,

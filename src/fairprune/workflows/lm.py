@@ -8,13 +8,14 @@ C4 shards as a text file), ``--eval_text`` (WikiText-2's raw test split) and ``-
 The evaluation text is tokenized once per command (capped at ``--eval_tokens``) and the dense
 model's figures are obtained once: ``compare`` measures the dense model once for every method, and
 every command takes them from the project cache when an earlier run measured the same weights on
-the same texts with the same settings (:mod:`fairprune.workflows.dense`; ``--dense_cache false``
+the same texts with the same settings (:mod:`fairprune.pruning.dense`; ``--dense_cache false``
 measures again). Reports split the time into ``load``, ``prune`` and ``evaluate``.
 
 The model is opened once as a block model (:mod:`fairprune.workflows.opened`): in memory, or with
 ``--stream`` read block by block from its safetensors files (``auto``: when it would not fit
 comfortably in memory). Everything after is the same pipeline for both: the dense figures and their
-cache, the run (:mod:`fairprune.workflows.lm_run`), the compare loop and its table.
+cache, the run (:mod:`fairprune.pruning.lm_run`, the one the ``PostTrainingPruning`` callback runs
+too), the compare loop and its table.
 
 Each command runs under ``torchrun`` too (``@_torchrun``): the process group is made once from the
 environment when the command starts and destroyed when it ends; every rank loads the model and
@@ -41,19 +42,19 @@ from fairprune.metrics.bootstrap import lm_intervals, lm_paired
 from fairprune.metrics.harness import TaskItems, dto, task_intervals, task_paired
 from fairprune.metrics.language import LMItems
 from fairprune.pruning import registry
+from fairprune.pruning.dense import DenseFigures, finish_evaluation
 from fairprune.pruning.llm import check_pattern_fits, evaluation_facts
-from fairprune.pruning.options import SolverOptions
+from fairprune.pruning.lm_run import Clock, dense_of, memory_facts, prune_run
+from fairprune.pruning.options import LMOptions, SolverOptions
 from fairprune.pruning.sparsity import Sparsity
+from fairprune.pruning.tasks import attach, task_specs
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.records import LMRow
 from fairprune.storage.folders import check_free_space
 from fairprune.storage.lock import locked
-from fairprune.workflows.dense import DenseFigures, finish_evaluation
 from fairprune.workflows.launch import torchrun as _torchrun
-from fairprune.workflows.lm_run import prune_run
-from fairprune.workflows.opened import dense_of, memory_facts, open_blocks, stream_choice
-from fairprune.workflows.options import LMOptions, MachineOptions, model_folder
-from fairprune.workflows.tasks import attach, task_specs
+from fairprune.workflows.opened import open_blocks, stream_choice
+from fairprune.workflows.options import MachineOptions, model_folder
 
 #: A pandas DataFrame. Named so, not imported, because the command-line parser resolves the
 #: annotations of a command's module by running its type-checking imports, and pandas costs an
@@ -109,10 +110,10 @@ def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm:
     _check_quantize(blocks, lm)
     check_free_space(output, blocks.saved_bytes(tokenizer))  # a full disk is found now, not after the work
     load_seconds = time.perf_counter() - start
-    ids, dense = dense_of(blocks, tokenizer, texts, lm, machine, specs)
+    measuring = dense_of(blocks, tokenizer, texts, lm, machine.progress, specs)
     config = _config(lm, machine, method=method, sparsity=str(sparsity), **asdict(solver))
-    return prune_run(blocks, tokenizer, method, sparsity, output, texts, lm, solver, machine, config, ids=ids,
-                     dense=dense, load_seconds=load_seconds, specs=specs, rss_start=rss_start)
+    return prune_run(blocks, method, sparsity, output, measuring, lm, solver, config, Clock(load_seconds, rss_start),
+                     machine.progress)
 
 
 @_torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
@@ -132,7 +133,8 @@ def evaluate_lm(lm: LMOptions, output: str | None = None, machine: MachineOption
     specs = task_specs(lm)
     texts, tokenizer, blocks, stream = _open(lm, machine, calibration=False)
     loaded = time.perf_counter()
-    ids, figures = dense_of(blocks, tokenizer, texts, lm, machine, specs, who="")
+    measured = dense_of(blocks, tokenizer, texts, lm, machine.progress, specs, who="")
+    ids, figures = measured.ids, measured.dense
     memory = memory_facts(blocks, rss_start)
     if not distributed.is_main():  # torchrun: rank 0 counts the zeros, reports and writes
         return {}
@@ -214,7 +216,8 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     runs = _runs(methods, sparsities, lm.quantize, lm.quantize_methods)
     check_free_space(output, blocks.saved_bytes(tokenizer) * len(runs))
     load_seconds = time.perf_counter() - start
-    ids, dense = dense_of(blocks, tokenizer, texts, lm, machine, specs)
+    measuring = dense_of(blocks, tokenizer, texts, lm, machine.progress, specs)
+    ids, dense = measuring.ids, measuring.dense
     dense_zeros = zero_fraction(blocks)
     rows = [LMRow.dense(dense.all_metrics(), dense_zeros, dense.seconds, blocks.weight_bytes(),
                         validity=None if dense.tasks is None else dense.tasks.validity())]
@@ -227,9 +230,8 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
             load_seconds = time.perf_counter() - tick
         run_lm = replace(lm, quantize=quantize, quantize_methods=None)
         config = _config(run_lm, machine, method=method, sparsity=str(s), **asdict(solver))
-        report = prune_run(blocks, tokenizer, method, s, Path(output) / name, texts, run_lm, solver, machine, config,
-                           ids=ids, dense=dense, shared_dense=True, load_seconds=load_seconds, specs=specs,
-                           rss_start=peak_rss_bytes())
+        report = prune_run(blocks, method, s, Path(output) / name, measuring, run_lm, solver, config,
+                           Clock(load_seconds, peak_rss_bytes(), shared_dense=True), machine.progress)
         blocks = None
         if distributed.is_main():
             rows.append(LMRow.from_report(report, label, str(s)))

@@ -10,26 +10,20 @@ hub model, a converted GGUF) of a causal family can stream, and only with ``--sa
 dense``; ``auto`` runs anything else in memory.
 
 Everything after the opening is the one pipeline (:mod:`fairprune.workflows.lm`,
-:mod:`fairprune.workflows.lm_run`): the model is a block model (:mod:`fairprune.causal.blocks`),
+:mod:`fairprune.pruning.lm_run`): the model is a block model (:mod:`fairprune.causal.blocks`),
 and which kind it is changes only how a part is loaded, saved and scored by lm-eval.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
-
-import torch
 
 from fairprune import distributed
 from fairprune.causal.blocks import Resident
 from fairprune.errors import UserError
-from fairprune.hub import load_model, resolve_device, resolve_name
+from fairprune.hub import load_model, resolve_name
 from fairprune.memory import available_bytes, return_freed_memory
-from fairprune.metrics.language import eval_ids
-from fairprune.workflows.dense import DenseFigures, dense_figures
-from fairprune.workflows.options import LMOptions, MachineOptions
-from fairprune.workflows.tasks import measure_tasks
+from fairprune.pruning.options import LMOptions
 
 #: ``--stream auto`` streams a model whose weights exceed this share of the available memory.
 STREAM_SHARE = 0.5
@@ -95,35 +89,3 @@ def open_blocks(lm: LMOptions, stream: bool):
     model = load_model(lm.model, "causal-lm", lm.trust_remote_code, dtype=lm.dtype)
     check_input_model(model, lm.model)
     return Resident(model, source=lm.model)
-
-
-def lm_tasks(blocks, tokenizer, specs, lm: LMOptions, device, progress: bool, *, dense: bool = False,
-             who: str = "dense model: "):
-    """The lm-eval pass on ``blocks`` (rank 0; None without ``specs``), in memory or streamed
-    (:meth:`~fairprune.causal.blocks.BlockModel.runnable`). ``dense``: the dense model, its results
-    cached by its weights' digest."""
-    if not specs or not distributed.is_main():
-        return None
-    return measure_tasks(blocks, tokenizer, specs, lm, device, progress, use_cache=dense and lm.dense_cache, who=who)
-
-
-def dense_of(blocks, tokenizer, texts, lm: LMOptions, machine: MachineOptions, specs=None,
-             who: str = "dense model: ") -> tuple[torch.Tensor, DenseFigures]:
-    """The evaluation ids (tokenized once, capped) and the dense model's figures (cache or
-    measured), with its lm-eval results when ``specs`` name tasks."""
-    ids = eval_ids(texts.eval_text, tokenizer, lm.eval_tokens)
-    device = resolve_device(lm.device)
-    dense = dense_figures(blocks, tokenizer, ids, texts.eval_pairs, lm.window, device,
-                          eval_tokens=lm.eval_tokens, use_cache=lm.dense_cache, progress=machine.progress)
-    dense.tasks = lm_tasks(blocks, tokenizer, specs, lm, device, machine.progress, dense=True, who=who)
-    return ids, dense
-
-
-def memory_facts(blocks, start_bytes: int) -> dict[str, Any]:
-    """A report's ``memory``: every rank's peak resident memory (collective under torchrun), the
-    peak when the work began, and the model's sizes."""
-    from fairprune.memory import rank_peaks
-
-    peaks = rank_peaks()
-    return {"peak_rss_bytes": peaks[0], "peak_rss_at_start_bytes": start_bytes, **blocks.facts(),
-            **({"peak_rss_bytes_per_rank": peaks} if len(peaks) > 1 else {})}

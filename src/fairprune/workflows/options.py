@@ -1,5 +1,6 @@
-"""The typed option groups the workflows take and ``prune.py`` exposes (the methods' own option
-types, ``CalibrationOptions``, ``SolverOptions`` and ``HeadOptions``, are in :mod:`fairprune.pruning.options`).
+"""The typed option groups the workflows take and ``prune.py`` exposes (the option types a run shares
+with the callbacks, ``LMOptions`` and its parts ``CalibrationOptions`` and ``TaskOptions``,
+``SolverOptions`` and ``HeadOptions``, are in :mod:`fairprune.pruning.options`).
 
 ``prune.py`` is built from the workflow functions' signatures: a parameter typed with one of these
 dataclasses becomes a group of flat options (``--model``, ``--seqlen``, ...) shared by every command
@@ -12,88 +13,11 @@ This module imports nothing heavy: ``prune.py --help`` reads it without loading 
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
-from typing import Literal, TypedDict
+from dataclasses import dataclass
+from typing import TypedDict
 
 from fairprune.errors import UserError
-from fairprune.hub.formats import DTYPES, QUANTIZE, SAVE_FORMATS
-from fairprune.pruning.options import CalibrationOptions
-
-
-@dataclass(frozen=True)
-class LMOptions(CalibrationOptions):
-    """What every LM command shares: the model, its texts, where it runs (the calibration and
-    measuring settings are :class:`~fairprune.pruning.options.CalibrationOptions`, which the
-    ``PostTrainingPruning`` callback takes too).
-
-    Args:
-        model: hub name or folder of a causal LM (e.g. runs/lm/tiny_gpt2/model).
-        calib_text: text file or folder of *.txt the method calibrates or scores on (default: the bundled corpus).
-        eval_text: text measured for perplexity, e.g. WikiText-2 raw test (default: the bundled corpus).
-        trust_remote_code: allow a hub model's own code to run.
-        dense_cache: reuse the dense model's figures measured by an earlier run with the same weights, texts and settings (kept in the project cache, .cache/fairprune/dense); false: measure again.
-        dtype: float32, bfloat16 or float16: the dtype the model is loaded, pruned and saved in (the solvers work in float32 inside each layer).
-        save_format: dense (save_pretrained: zeros stored) or compressed (compressed-tensors sparse-bitmask, or sparse-24-bitmask at 2:4: the nonzeros and a bitmask; read by fairprune alone today); weight pruning only.
-        quantize: none, w4a16, w8a16, w4a16-gptq or w8a16-gptq: after pruning, the blocks' linear layers quantized to 4- or 8-bit symmetric integers per group (a pruned zero stays zero; -gptq: with GPTQ's error compensation from the layer Hessian, the sparsity mask held fixed) and written as a compressed-tensors pack-quantized folder that plain transformers loads; the run's figures are measured on the model loaded back from it (the prune commands, in memory or --stream true, and compare --model beside each pruned row; not with --save_format compressed).
-        quant_group_size: inputs per quantization group (a power of two); a layer whose input width it does not divide takes the largest power of two below it that does (at least 32, or the value given when smaller).
-        quantize_methods: compare --model with --quantize: the methods that get a pruned + quantized row (default: every compared method).
-        tasks: lm-evaluation-harness tasks measured beside perplexity, on the model in memory, e.g. [hellaswag, mmlu, bbq_ambig, bbq_ambig_letter, crows_pairs_english] (these read local files: --task_data, else the bundled sets; any other lm-eval task name loads as lm-eval defines it and downloads its data).
-        task_data: NAME=PATH entries pointing a task (or a data format: bbq, hellaswag, mmlu, crows_pairs) at a file in the data set's public format, e.g. bbq=/data/BBQ/data/Age.jsonl; NAME=hub: lm-eval's stock data.
-        limit: lm-eval's --limit: the first N documents of each task (a fraction below 1: that share of them).
-        num_fewshot: lm-eval's --num_fewshot (default: each task's own, zero-shot for the bundled tasks).
-        stream: true: read the weights block by block from the model's safetensors folder and write the pruned ones block by block, so the model is never whole in memory (one block resident; magnitude, wanda, sparsegpt, debias-sparsegpt, evaluate and compare); false: load it whole; auto: stream when its weights in --dtype exceed half the available memory (the run prints which way it went).
-    """
-
-    model: str = field(kw_only=True)
-    calib_text: str | None = None
-    eval_text: str | None = None
-    trust_remote_code: bool = False
-    dense_cache: bool = True
-    dtype: str = "float32"
-    save_format: str = "dense"
-    quantize: str = "none"
-    quant_group_size: int = 128
-    quantize_methods: list[str] | None = None
-    stream: bool | Literal["auto"] = "auto"
-    tasks: list[str] | str | None = None
-    task_data: list[str] | str | None = None
-    limit: float | None = None
-    num_fewshot: int | None = None
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        for name in ("tasks", "task_data"):  # one item may come without brackets, as people type it
-            value = getattr(self, name)
-            if isinstance(value, str):
-                object.__setattr__(self, name, [value])
-        if self.limit is not None and not (self.limit > 0 and math.isfinite(self.limit)):
-            raise UserError(f"--limit must be a positive number of documents (or a fraction below 1); got {self.limit}")
-        if self.limit is not None and self.limit > 1 and self.limit != int(self.limit):
-            raise UserError(f"--limit {self.limit}: above 1 it counts documents, so give a whole number (below 1 it is "
-                            "a share of each task's documents)")
-        if self.num_fewshot is not None and self.num_fewshot < 0:
-            raise UserError(f"--num_fewshot must be 0 or more; got {self.num_fewshot}")
-        for name, value in (("--limit", self.limit), ("--num_fewshot", self.num_fewshot)):
-            if value is not None and not self.tasks:
-                raise UserError(f"{name} sets how lm-eval runs the --tasks, and no --tasks are given: add --tasks "
-                                f"[...] or leave {name} out")
-        if self.dtype not in DTYPES:
-            raise UserError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
-        if self.save_format not in SAVE_FORMATS:
-            raise UserError(f"--save_format {self.save_format!r} is not one of {', '.join(SAVE_FORMATS)} (compressed: "
-                            "compressed-tensors' sparse-bitmask / sparse-24-bitmask)")
-        if self.quantize not in QUANTIZE:
-            raise UserError(f"--quantize {self.quantize!r} is not one of {', '.join(QUANTIZE)}")
-        group = self.quant_group_size
-        if isinstance(group, bool) or not isinstance(group, int) or group < 8 or group & (group - 1):
-            raise UserError(f"--quant_group_size must be a power of two of at least 8 (e.g. 128); got {group}")
-        if self.quantize_methods is not None and self.quantize == "none":
-            raise UserError("--quantize_methods names the methods that get a quantized row; give --quantize too "
-                            "(e.g. --quantize w4a16)")
-        if self.quantize != "none" and self.save_format != "dense":
-            raise UserError(f"--quantize {self.quantize} writes a pack-quantized folder; it does not combine with "
-                            f"--save_format {self.save_format} (compressed-tensors has no sparse + quantized layout today)")
+from fairprune.pruning.options import LMOptions
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,11 @@
 """One post-training run of an opened LM: prune, save, measure the pruned model, write the folder.
 
+Every LM weight-pruning run goes through :func:`prune_run`: ``prune.py``'s LM commands
+(:mod:`fairprune.workflows.lm`) and the ``PostTrainingPruning`` callback
+(:mod:`fairprune.callbacks.post_training`), which build the same :class:`Measuring` first
+(:func:`dense_of`: the evaluation ids and the dense model's figures, from the project cache when
+enabled, with ``--tasks``' lm-eval results).
+
 The same steps whether the model is in memory or streamed from disk (a block model,
 :mod:`fairprune.causal.blocks`): calibration data from the run's texts; the layer-by-layer prune
 (:func:`fairprune.pruning.llm.prune_causal_lm`; a streamed model writes each solved block as it
@@ -7,8 +13,8 @@ goes); the pruned model saved into a staging folder beside ``output`` (in memory
 ``save_pretrained`` or the compressed format; streamed: the rest of the files beside the blocks
 already written); the pruned model measured (streamed: read back from the files just written, so
 the figures are those of the folder a later ``from_pretrained`` loads) and scored by lm-eval with
-``--tasks``; the report (:func:`fairprune.pruning.llm.lm_report`), ``sparsity.csv``, the
-per-item outcomes, ``config.yaml``, the model card and ``report.json``; then the staging folder
+``--tasks``; the report (:func:`fairprune.pruning.llm.lm_report`, with ``memory``), ``sparsity.csv``,
+the per-item outcomes, ``config.yaml``, the model card and ``report.json``; then the staging folder
 swapped in whole (:func:`fairprune.storage.folders.replace_folder`).
 
 Under ``torchrun`` every rank prunes and measures its share; rank 0 alone writes (a streamed run's
@@ -19,6 +25,7 @@ it broadcasts, must be readable by every rank).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,20 +33,77 @@ import torch
 
 from fairprune import distributed
 from fairprune.causal.blocks import SaveOptions
+from fairprune.data.pairs import LMTexts
 from fairprune.data.text import calibration_ids, paired_ids
 from fairprune.hub import resolve_device
 from fairprune.hub.compressed import dtype_name, megabytes, weights_summary
-from fairprune.metrics.language import measure_lm_items
+from fairprune.metrics.language import eval_ids, measure_lm_items
 from fairprune.pruning import registry
+from fairprune.pruning.dense import DenseFigures, dense_figures, pruned_line
 from fairprune.pruning.llm import calibration_facts, evaluation_facts, lm_report, prune_causal_lm
-from fairprune.pruning.options import SolverOptions
+from fairprune.pruning.options import LMOptions, SolverOptions
 from fairprune.pruning.sparsity import Sparsity
+from fairprune.pruning.tasks import attach, measure_tasks
 from fairprune.reporting.runs import RUN_FILES, write_run_files
 from fairprune.storage.folders import replace_folder
-from fairprune.workflows.dense import DenseFigures, pruned_line
-from fairprune.workflows.opened import lm_tasks, memory_facts
-from fairprune.workflows.options import LMOptions, MachineOptions
-from fairprune.workflows.tasks import attach
+
+
+@dataclass(frozen=True)
+class Measuring:
+    """What the runs of one command are measured with, got once before them (:func:`dense_of`):
+    the texts, the tokenizer, the evaluation ids (tokenized once, capped at ``--eval_tokens``), the
+    dense model's figures (every run's reference) and the ``--tasks`` specs (None without them)."""
+
+    texts: LMTexts
+    tokenizer: Any
+    ids: torch.Tensor
+    dense: DenseFigures
+    specs: list | None = None
+
+
+@dataclass(frozen=True)
+class Clock:
+    """What a run's report counts from before the run: the seconds the model took to open
+    (``load_seconds``), the peak resident memory when the work began (``rss_start``), and whether
+    one dense measurement serves several runs (``shared_dense``, as in compare: then its seconds
+    are not counted towards this run's ``evaluate`` and ``total``)."""
+
+    load_seconds: float = 0.0
+    rss_start: int = 0
+    shared_dense: bool = False
+
+
+def lm_tasks(blocks, tokenizer, specs, lm: LMOptions, device, progress: bool, *, dense: bool = False,
+             who: str = "dense model: "):
+    """The lm-eval pass on ``blocks`` (rank 0; None without ``specs``), in memory or streamed
+    (:meth:`~fairprune.causal.blocks.BlockModel.runnable`). ``dense``: the dense model, its results
+    cached by its weights' digest."""
+    if not specs or not distributed.is_main():
+        return None
+    return measure_tasks(blocks, tokenizer, specs, lm, device, progress, use_cache=dense and lm.dense_cache, who=who)
+
+
+def dense_of(blocks, tokenizer, texts: LMTexts, lm: LMOptions, progress: bool = True, specs=None,
+             who: str = "dense model: ") -> Measuring:
+    """The evaluation ids (tokenized once, capped) and the dense model's figures (cache or
+    measured), with its lm-eval results when ``specs`` name tasks: what every run of ``blocks``
+    is measured with."""
+    ids = eval_ids(texts.eval_text, tokenizer, lm.eval_tokens)
+    device = resolve_device(lm.device)
+    dense = dense_figures(blocks, tokenizer, ids, texts.eval_pairs, lm.window, device,
+                          eval_tokens=lm.eval_tokens, use_cache=lm.dense_cache, progress=progress)
+    dense.tasks = lm_tasks(blocks, tokenizer, specs, lm, device, progress, dense=True, who=who)
+    return Measuring(texts, tokenizer, ids, dense, specs)
+
+
+def memory_facts(blocks, start_bytes: int) -> dict[str, Any]:
+    """A report's ``memory``: every rank's peak resident memory (collective under torchrun), the
+    peak when the work began, and the model's sizes."""
+    from fairprune.memory import rank_peaks
+
+    peaks = rank_peaks()
+    return {"peak_rss_bytes": peaks[0], "peak_rss_at_start_bytes": start_bytes, **blocks.facts(),
+            **({"peak_rss_bytes_per_rank": peaks} if len(peaks) > 1 else {})}
 
 
 def _quantizer(blocks, lm: LMOptions):
@@ -53,24 +117,27 @@ def _quantizer(blocks, lm: LMOptions):
     return LayerQuantizer(lm.quantize, min(groups.values(), default=lm.quant_group_size))
 
 
-def prune_run(blocks, tokenizer, method: str, sparsity: Sparsity, output: str | Path, texts, lm: LMOptions,
-              solver: SolverOptions, machine: MachineOptions, config: dict[str, Any], *, ids: torch.Tensor,
-              dense: DenseFigures, shared_dense: bool = False, load_seconds: float = 0.0, specs=None,
-              rss_start: int = 0) -> dict[str, Any]:
-    """Prune ``blocks`` (in place, or block by block into ``output``), measure, save and report
-    (see the module docstring). ``dense``: the dense model's figures, every run's reference.
-    Timings: ``load_seconds`` and, unless ``shared_dense`` (one dense measurement serving several
-    runs), the seconds ``dense`` took count towards the run's ``evaluate`` and ``total``."""
+def prune_run(blocks, method: str, sparsity: Sparsity, output: str | Path, measuring: Measuring, lm: LMOptions,
+              solver: SolverOptions, config: dict[str, Any], clock: Clock = Clock(),
+              progress: bool = True) -> dict[str, Any]:
+    """Prune ``blocks`` (in place, or block by block into ``output``) with ``method`` at
+    ``sparsity``, measure, save and report (see the module docstring); ``config`` is written as the
+    run's ``config.yaml``. ``measuring``: the texts, the evaluation ids and the dense model's
+    figures, every run's reference (:func:`dense_of`). Timings: ``clock.load_seconds`` and, unless
+    ``clock.shared_dense``, the seconds the dense figures took count towards the run's
+    ``evaluate`` and ``total``."""
     start = time.perf_counter()
     entry = registry.get(method, "lm")
-    talk = machine.progress and distributed.is_main()
+    talk = progress and distributed.is_main()
     device = resolve_device(lm.device)
+    texts, tokenizer, ids, dense = measuring.texts, measuring.tokenizer, measuring.ids, measuring.dense
     blocks.quantizer = _quantizer(blocks, lm)
     gptq = blocks.quantizer is not None and blocks.quantizer.gptq  # GPTQ calibrates every method
     calib = (calibration_ids(tokenizer, texts.calib_text, lm.nsamples, lm.seqlen, lm.seed)
              if entry.uses_data or gptq else None)
     pairs = paired_ids(tokenizer, texts.calib_pairs, lm.seqlen) if entry.paired else None
-    dense_seconds = 0.0 if shared_dense else dense.seconds
+    dense_seconds = 0.0 if clock.shared_dense else dense.seconds
+    load_seconds = clock.load_seconds
     report: dict[str, Any] = {}
 
     def write(out: Path | None) -> None:
@@ -79,11 +146,10 @@ def prune_run(blocks, tokenizer, method: str, sparsity: Sparsity, output: str | 
         tick = time.perf_counter()
         writer = blocks.writer(out)  # streamed and --quantize: it quantizes each block as it is written
         try:
-            result = prune_causal_lm(blocks, method, sparsity, calib, pairs, device, solver.percdamp, solver.blocksize,
-                                     progress=talk, writer=writer)
+            result = prune_causal_lm(blocks, method, sparsity, calib, pairs, device, solver, progress=talk, writer=writer)
             saving = SaveOptions(save_format=lm.save_format, nm=sparsity.nm, quantize=lm.quantize,
                                  quant_group_size=lm.quant_group_size, trust_remote_code=lm.trust_remote_code,
-                                 progress=machine.progress)
+                                 progress=progress)
             pruned, weights = blocks.save(out, output, tokenizer, writer, method, saving)
         finally:
             if writer is not None:
@@ -91,10 +157,10 @@ def prune_run(blocks, tokenizer, method: str, sparsity: Sparsity, output: str | 
         pruned_at = time.perf_counter()
         if talk:
             print(f"[{method}] measuring the pruned model ...", flush=True)
-        after, items = measure_lm_items(pruned, tokenizer, ids, texts.eval_pairs, lm.window, device, progress=machine.progress)
-        tasks = lm_tasks(pruned, tokenizer, specs, lm, device, machine.progress, who=f"{method}: ")
+        after, items = measure_lm_items(pruned, tokenizer, ids, texts.eval_pairs, lm.window, device, progress=progress)
+        tasks = lm_tasks(pruned, tokenizer, measuring.specs, lm, device, progress, who=f"{method}: ")
         end = time.perf_counter()
-        memory = memory_facts(blocks, rss_start)
+        memory = memory_facts(blocks, clock.rss_start)
         if out is None:
             return
         quantization = weights.pop("quantization", None) if weights else None

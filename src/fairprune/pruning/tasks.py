@@ -52,7 +52,7 @@ def task_specs(lm) -> list[TaskSpec] | None:
 
 
 def _cache_path(key: dict[str, Any]) -> Path:
-    from fairprune.workflows.dense import cache_path
+    from fairprune.pruning.dense import cache_path
 
     return cache_path(key, "tasks")
 
@@ -61,7 +61,7 @@ def _key(blocks, specs: list[TaskSpec], lm, device) -> dict[str, Any]:
     import torch
 
     from fairprune.metrics.harness import _lm_eval_version
-    from fairprune.workflows.dense import weights_digest
+    from fairprune.pruning.dense import weights_digest
 
     return {"version": TASK_CACHE_VERSION, "fairprune": fairprune.__version__, "lm_eval": _lm_eval_version(),
             "model": weights_digest(blocks), "tasks": [[s.name, s.scoring, s.data and file_sha256(s.data)] for s in specs],
