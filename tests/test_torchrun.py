@@ -252,26 +252,30 @@ def test_each_rank_works_on_its_shard(monkeypatch, one_thread):
     share = language.perplexity(model, ids.view(4, 8)[1::2].flatten(), seqlen=8)  # windows 1 and 3, alone
     calib = torch.randint(0, VOCAB, (5, 8))
     pairs = (torch.randint(0, VOCAB, (3, 6)), torch.randint(0, VOCAB, (3, 6)), torch.ones(3, 6, dtype=torch.bool))
-    seen, scored = [], []
+    seen = []
     run_layerwise = llm.run_layerwise
     monkeypatch.setattr(llm, "run_layerwise", lambda model, inputs, *a, **k:
                         seen.extend(inputs or []) or run_layerwise(model, inputs, *a, **k))
-    monkeypatch.setattr(language, "sentence_log_likelihoods",
-                        lambda model, tok, sentences, *a: scored.extend(sentences) or torch.tensor([likelihood[s] for s in sentences]))
+    # each sentence's token ids (the tokenizer left out); a3 and b3 are one sentence: a tie
+    sentence_ids = {s: [k % VOCAB, (3 * k + 1) % VOCAB, (7 * k + 2) % VOCAB] for k, s in enumerate(
+        ["a0", "b0", "a1", "b1", "a2", "b2", "a3"])}
+    sentence_ids["b3"] = sentence_ids["a3"]
+    monkeypatch.setattr(language, "encode_sentence", lambda tokenizer, sentence: sentence_ids[sentence])
+    four = [Pair("a0", "b0"), Pair("a1", "b1", "antistereo"), ("a2", "b2"), Pair("a3", "b3")]
+    alone = language.pair_outcomes(model, None, four, batch_size=2)  # one process: every pair
     monkeypatch.setattr(distributed, "world", lambda: (1, 2))
     monkeypatch.setattr(distributed, "all_reduce_sum", lambda tensor: tensor)
     monkeypatch.setattr(distributed, "broadcast", lambda tensor, src=0: tensor)
 
     assert language.perplexity(model, ids, seqlen=8) == pytest.approx(share, rel=1e-6)
-    # Rank 1's pairs: 1 (antistereo, sent_more likelier: a win) and 3 (a tie: neutral), each in its own
-    # slot; the slots of rank 0's pairs (0 and 2) stay empty, as the reductions are left out. Pairs one
-    # to a batch (batch_size 2) are dealt out 0, 2 / 1, 3.
-    likelihood = {"a1": -1.0, "b1": -2.0, "a3": -3.0, "b3": -3.0}
-    four = [Pair("a0", "b0"), Pair("a1", "b1", "antistereo"), ("a2", "b2"), Pair("a3", "b3")]
+    # Rank 1's pairs: 1 and 3 (a tie: neutral), each in its own slot as one process scores it; the
+    # slots of rank 0's pairs (0 and 2) stay empty, as the reductions are left out. Pairs one to a
+    # batch (batch_size 2: two sentences) are dealt out 0, 2 / 1, 3.
     outcomes = language.pair_outcomes(model, None, four, batch_size=2)
-    assert {k: v.tolist() for k, v in outcomes.items()} == {
-        "win": [False, True, False, False], "decided": [False, True, False, False], "anti": [False, True, False, False]}
-    assert scored == ["a1", "b1", "a3", "b3"]
+    for key in ("win", "decided"):
+        assert outcomes[key].tolist() == [False, bool(alone[key][1]), False, bool(alone[key][3])], key
+    assert bool(alone["decided"][1]) and not bool(alone["decided"][3])
+    assert outcomes["anti"].tolist() == [False, True, False, False]
     llm.prune_causal_lm(model, "debias-sparsegpt", Sparsity.parse(0.5), calib_ids=calib, pairs=pairs, progress=False,
                         batching=llm.Batching(windows=2, pairs=2))
     # Batches of two: windows 0-1, 2-3, 4 and pairs 0-1, 2; rank 1 gets windows 2-3 and pair 2.
