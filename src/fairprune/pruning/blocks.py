@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from tqdm.auto import tqdm
 
 from fairprune.families import family_of
 from fairprune.pruning.options import SaveOptions
@@ -82,6 +83,37 @@ class BlockModel:
     def state_of(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         """The (loaded) state-dict entries of ``module`` under their full names."""
         yield from module.state_dict(prefix=self.prefix(module)).items()
+
+    def each_block(self, device, progress: bool = False, desc: str = "blocks") -> Iterator[tuple[int, nn.Module]]:
+        """``(index, block)`` of every block in order, each loaded on ``device`` while the caller
+        works on it: a pass over the model with one block resident (a streamed model's read once)."""
+        for index, block in enumerate(tqdm(self.blocks, desc=desc, unit="block", leave=False, disable=not progress)):
+            with self.loaded(block, device=device):
+                yield index, block
+
+    def tail(self, hidden: list[torch.Tensor], device) -> list[torch.Tensor]:
+        """Hidden states after the last block through the tail (the final norm; OPT's
+        ``project_out``): the head's input. The tail is loaded once for all of them."""
+        tails = self.tail_modules()[:-1]
+        out = []
+        with self.loaded(*tails, device=device):
+            for h in hidden:
+                for module in tails:
+                    h = module(h)
+                out.append(h)
+        return out
+
+    @contextlib.contextmanager
+    def head(self, device) -> Iterator[Any]:
+        """The logits of final hidden states (:meth:`logits`), the output head loaded for the time
+        of the block."""
+        with self.loaded(self.model.get_output_embeddings(), device=device):
+            yield self.logits
+
+    def run_device(self) -> torch.device:
+        """Where the blocks run when the caller names no device: a model in memory where it is, a
+        streamed one on :attr:`device` (CPU unless set)."""
+        return torch.device(getattr(self, "device", None) or device_of(self.model))
 
 
 class Resident(BlockModel):

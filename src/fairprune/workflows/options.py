@@ -42,7 +42,7 @@ class LMOptions(CalibrationOptions):
         task_data: NAME=PATH entries pointing a task (or a data format: bbq, hellaswag, mmlu, crows_pairs) at a file in the data set's public format, e.g. bbq=/data/BBQ/data/Age.jsonl; NAME=hub: lm-eval's stock data.
         limit: lm-eval's --limit: the first N documents of each task (a fraction below 1: that share of them).
         num_fewshot: lm-eval's --num_fewshot (default: each task's own, zero-shot for the bundled tasks).
-        stream: true: read the weights block by block from the model's safetensors folder and write the pruned ones block by block, so the model is never whole in memory (one block resident; magnitude, wanda, sparsegpt, debias-sparsegpt, evaluate and compare); false: load it whole; auto: stream when its weights in --dtype exceed half the available memory (the run prints which way it went).
+        stream: true: read the weights block by block from the model's safetensors folder and write the pruned ones block by block, so the model is never whole in memory (one block resident; magnitude, wanda, sparsegpt, debias-sparsegpt, fasp and its baselines, evaluate, and compare with --sparsities or --alphas); false: load it whole; auto: stream when its weights in --dtype exceed half the available memory (the run prints which way it went).
     """
 
     model: str = field(kw_only=True)
