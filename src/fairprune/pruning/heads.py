@@ -8,7 +8,8 @@
   its own ``[layers, heads]`` gates, so one forward pass evaluates many head sets at once.
 * :func:`remove_heads` slices heads out of q/k/v and the output projection and updates the
   attention module's head-count attributes, so the pruned model computes exactly what the gated
-  model computes.
+  model computes; :func:`write_without_heads` does the same to a streamed model, writing each
+  block without its heads into a new folder (one block resident).
 
 Where a family keeps its heads (attention module, q/k/v projections, head-count attributes) is
 part of its row in :data:`fairprune.families.FAMILIES`; this module has no table of its own.

@@ -66,10 +66,10 @@ def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alph
     prompts = read_prompts(heads.prompts) if heads.prompts else None
     if prompts is not None:
         split_prompts(prompts, seed=lm.seed, axes=heads.axis)  # before any work: both parts can measure bias
+    device, talk = resolve_device(lm.device), machine.progress and distributed.is_main()  # --device cuda without one: refused
     blocks = shared.blocks if shared.blocks is not None else open_blocks(lm, shared.stream)  # NaN / inf refused
     blocks.family.require_heads(f"prune.py {method}")  # before any work: where its heads are
     check_free_space(output, blocks.saved_bytes(tokenizer))
-    device, talk = resolve_device(lm.device), machine.progress and distributed.is_main()
     if shared.tasks is None:
         shared.tasks = lm_tasks(blocks, tokenizer, specs, lm, device, talk, dense=True)
     if blocks.streamed:

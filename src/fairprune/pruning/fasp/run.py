@@ -28,10 +28,10 @@ from fairprune.metrics.bootstrap import bias_intervals, bias_paired, lm_interval
 from fairprune.metrics.language import LMItems, eval_ids
 from fairprune.metrics.toxicity import ToxicityScorer, make_scorer, scorer_name
 from fairprune.pruning import registry
+from fairprune.pruning.blocks import BlockModel, as_blocks
 from fairprune.pruning.fasp.scoring import Evaluator, Generation, head_bias_by_axis, head_bias_impact, score_heads, token_ids
 from fairprune.pruning.fasp.selection import counts, search_gamma, select_heads
 from fairprune.pruning.head_size import measure, removal_size, tokens_per_second
-from fairprune.pruning.blocks import BlockModel, as_blocks
 from fairprune.pruning.heads import HeadGates, remove_heads, write_without_heads
 from fairprune.pruning.options import CalibrationOptions, HeadOptions
 

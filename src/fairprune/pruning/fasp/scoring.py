@@ -162,7 +162,7 @@ def score_heads(evaluate: Evaluator, path: str | Path, gates: HeadGates | None =
     rows meet on rank 0, which alone writes; every rank returns the same table.
     """
     path = Path(path)
-    gates = gates or HeadGates(evaluate.blocks)
+    gates = gates or HeadGates(evaluate.model)
     layers, heads = gates.values.shape
     every = [BASELINE] + [(l, h) for l in range(layers) for h in range(heads)]
     axes = sorted(evaluate.prompts.axis.unique())

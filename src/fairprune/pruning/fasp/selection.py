@@ -142,12 +142,12 @@ def search_gamma(evaluate: Evaluator, scores: pd.DataFrame, alpha: float, axes: 
     measurements are those of one trial at a time. Under ``torchrun`` every rank must call: each
     measures its share of the trials and every rank returns the same result.
     """
-    gates = gates or HeadGates(evaluate.blocks)
+    gates = gates or HeadGates(evaluate.model)
     n = gates.values.numel()
     planned = []
     for method in baselines:
         with distributed.local():  # every rank plans the same trials
-            chosen = select_heads(method, alpha, scores=scores, model=evaluate.blocks, ppl_ids=evaluate.ppl_ids,
+            chosen = select_heads(method, alpha, scores=scores, model=evaluate.model, ppl_ids=evaluate.ppl_ids,
                                   seqlen=evaluate.seqlen, batch_size=evaluate.ppl_batch_size, seed=seed)
         planned.append((method, None, chosen.removed))
     for gamma in gammas:
