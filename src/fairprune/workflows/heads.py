@@ -84,6 +84,8 @@ def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alph
         settings = FaspSettings(eval_text=eval_text, progress=talk, output=out, reference=shared.reference)
         result = run_fasp(blocks, tokenizer, prompts, scoring_text, method, replace(heads, alpha=alpha), output,
                           calibration=lm, settings=settings)
+        if blocks.streamed:  # every rank measured the pruned model from the staging folder before rank 0 moves it
+            distributed.barrier()
         result.report.update(model=lm.model, stream=blocks.streamed)
         tasks = lm_tasks(result.pruned, tokenizer, specs, lm, device, talk, who=f"{method}: ")
         attach(result.report, tasks, shared.tasks)
