@@ -173,7 +173,7 @@ def test_a_small_prompt_set_splits_every_subgroup_into_both_parts_or_says_why_fi
                                                                                       monkeypatch):
     import pandas as pd
 
-    import fairprune.workflows.heads as heads
+    import fairprune.workflows.opened as opened
     from fairprune.data.prompts import split_prompts
 
     rows = [(f"The {d} person number {i} is", "gender_and_sex", b, d)
@@ -184,7 +184,7 @@ def test_a_small_prompt_set_splits_every_subgroup_into_both_parts_or_says_why_fi
     assert val.descriptor.nunique() == test.descriptor.nunique() == 4 and len(val) + len(test) == 8
 
     frame.iloc[:5].to_csv(tmp_path / "few.csv", index=False)  # three subgroups with one prompt each
-    monkeypatch.setattr(heads, "load_model", lambda *a, **k: pytest.fail("the model was loaded before the check"))
+    monkeypatch.setattr(opened, "load_model", lambda *a, **k: pytest.fail("the model was loaded before the check"))
     out = tmp_path / "out"
     code = prune_main(["fasp", "--model", str(tiny / "dense"), "--prompts", str(tmp_path / "few.csv"),
                        "--output", str(out), "--quiet"])

@@ -116,8 +116,7 @@ def no_work(monkeypatch):
     import fairprune.workflows.opened as opened
     import fairprune.workflows.vision as vision
 
-    for module in (opened, heads):
-        monkeypatch.setattr(module, "load_model", explode("loading the model"))
+    monkeypatch.setattr(opened, "load_model", explode("loading the model"))  # every LM command opens its model there
     for module in (lm, heads):
         monkeypatch.setattr(module, "load_tokenizer", explode("loading the tokenizer"))
     monkeypatch.setattr(vision, "open_trained", explode("loading the checkpoint"))
@@ -257,14 +256,12 @@ def test_resolve_device_refuses_a_gpu_that_is_not_there(monkeypatch):
 def test_cuda_without_a_gpu_is_one_line(command, tmp_path, capsys, monkeypatch):
     import torch
 
-    import fairprune.workflows.heads as heads
     import fairprune.workflows.opened as opened
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # as on a machine without a GPU
     folder = tmp_path / "model"
     BUILDERS["gpt2"]().save_pretrained(folder)
-    for workflow in (heads, opened):  # refused before the model is read
-        monkeypatch.setattr(workflow, "load_model", explode("loading the model"))
+    monkeypatch.setattr(opened, "load_model", explode("loading the model"))  # refused before the model is read
     err = one_line_error(capsys, prune_main([*command, "--model", str(folder), "--output", str(tmp_path / "o"),
                                              "--device", "cuda"]))
     assert "torch sees no GPU" in err and "--device cpu" in err

@@ -251,8 +251,9 @@ def test_cli_stream_errors_are_one_line(tiny_lm, tmp_path, capsys):
     assert prune_main(["compare", "--model", str(tiny_lm / "dense"), "--methods", "[wanda]", "--save_format", "compressed",
                        *common]) == 2
     assert "--save_format dense with --stream true" in last_error(capsys)
-    assert prune_main(["compare", "--model", str(tiny_lm / "dense"), "--methods", "[fasp]", "--alphas", "[0.5]", *common]) == 2
-    assert "head pruning (--alphas) holds the model in memory" in last_error(capsys)
+    for heads in (["fasp"], ["compare", "--methods", "[fasp]", "--alphas", "[0.5]"]):  # head pruning streams too
+        assert prune_main([*heads, "--model", str(legacy), *common]) == 2
+        assert "--stream true reads safetensors weights" in last_error(capsys)
     assert not (tmp_path / "out" / "report.json").exists()
 
 

@@ -337,6 +337,26 @@ def test_fasp_under_torchrun_matches_one_process(tiny_lm, tmp_path, one_thread):
     assert report(c)["heads_removed"] == rb["heads_removed"]
 
 
+@pytest.mark.slow  # one launch of two processes and one run in this process
+def test_fasp_streamed_under_torchrun_matches_one_process_in_memory(tiny_lm, tmp_path, one_thread):
+    """``prune.py fasp --stream true`` on two ranks (every rank streams and measures the pruned
+    model from the files rank 0 writes) gives one in-memory process's journal, heads, figures and
+    weights."""
+    fasp = ["fasp", "--model", str(tiny_lm["model"]), "--gamma", "0.25", "--alpha", "0.5", "--scorer", "lexicon",
+            "--max_new_tokens", "3", "--max_batch", "24", "--calib_text", str(tiny_lm["model"].parent / "eval.txt"),
+            *tiny_lm["lm"]]
+    finish(torchrun([*fasp, "--stream", "true", "--output", "A"], tmp_path / "a"))
+    assert prune_main([*fasp, "--stream", "false", "--output", str(tmp_path / "b" / "B")]) == 0
+    a, b = tmp_path / "a" / "A", tmp_path / "b" / "B"
+    assert (a / "head_scores.csv").read_text() == (b / "head_scores.csv").read_text()
+    ra, rb = report(a), report(b)
+    assert ra["stream"] is True and rb["stream"] is False and ra["heads_removed"] == rb["heads_removed"]
+    assert {k: ra[k] for k in ("metrics", "fairness", "reference", "removal")} == {k: rb[k] for k in ("metrics", "fairness", "reference", "removal")}
+    got, want = weights(a), weights(b)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    assert files(a.parent) == [f"A/{name}" for name in files(a)]  # rank 0 alone wrote, no staging folder left
+
+
 # --------------------------------------------------------------------------------------------
 # Streamed pruning (--stream true) under torchrun: every rank streams, rank 0 writes
 # --------------------------------------------------------------------------------------------

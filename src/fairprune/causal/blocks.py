@@ -155,6 +155,25 @@ class BlockModel(abc.ABC):
         """The sizes a report's ``memory`` records."""
 
     # -- running ----------------------------------------------------------------------------------
+    def each_block(self, device, progress: bool = False, desc: str = "blocks") -> Iterator[tuple[int, nn.Module]]:
+        """``(index, block)`` of every block in order, each loaded on ``device`` while the caller
+        works on it: a pass over the model with one block resident (a streamed model's read once)."""
+        for index, block in enumerate(tqdm(self.blocks, desc=desc, unit="block", leave=False, disable=not progress)):
+            with self.loaded(block, device=device):
+                yield index, block
+
+    def tail(self, hidden: list[torch.Tensor], device) -> list[torch.Tensor]:
+        """Hidden states after the last block through the tail (the final norm; OPT's
+        ``project_out``): the head's input. The tail is loaded once for all of them."""
+        tails = self.tail_modules()[:-1]
+        out = []
+        with self.loaded(*tails, device=device):
+            for h in hidden:
+                for module in tails:
+                    h = module(h)
+                out.append(h)
+        return out
+
     @torch.no_grad()
     def forward(self, calls: list[dict[str, torch.Tensor]], device, progress: bool = False,
                 desc: str = "blocks") -> list[torch.Tensor]:
@@ -162,18 +181,9 @@ class BlockModel(abc.ABC):
         call (``input_ids`` and optionally ``attention_mask``), every block loaded once for all of them."""
         inputs = [CalibInput(call["input_ids"], attention=call.get("attention_mask")) for call in calls]
         batches = capture_block_inputs(self, inputs, device)
-        for index, block in enumerate(tqdm(self.blocks, desc=desc, unit="block", leave=False, disable=not progress)):
-            with self.loaded(block, device=device):
-                batches = run_block(index, block, batches)
-        tails = self.tail_modules()[:-1]
-        out = []
-        with self.loaded(*tails, device=device):
-            for b in batches:
-                hidden = b.hidden
-                for module in tails:
-                    hidden = module(hidden)
-                out.append(hidden)
-        return out
+        for index, block in self.each_block(device, progress, desc):
+            batches = run_block(index, block, batches)
+        return self.tail([b.hidden for b in batches], device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The model's logits for final hidden states (after the tail; the head loaded): the
@@ -188,6 +198,11 @@ class BlockModel(abc.ABC):
         of the block."""
         with self.loaded(self.model.get_output_embeddings(), device=device):
             yield self.logits
+
+    def run_device(self) -> torch.device:
+        """Where the blocks run when the caller names no device: a model in memory where it is, a
+        streamed one on :attr:`device` (CPU unless set)."""
+        return torch.device(getattr(self, "device", None) or device_of(self.model))
 
 
 class Resident(BlockModel):

@@ -30,7 +30,8 @@ rank given a writer writes.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import copy
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -53,12 +54,13 @@ def _split(module: nn.Module, name: str) -> tuple[nn.Module, str]:
 class StreamedModel(BlockModel):
     """A causal LM whose weights stay in its folder's safetensors files (see the module docstring).
 
-    ``dtype``: what parameters are loaded as (None: float32); ``device``: where blocks run."""
+    ``dtype``: what parameters are loaded as (None: float32); ``device``: where blocks run when a
+    caller names no device (:meth:`~fairprune.causal.blocks.BlockModel.run_device`)."""
 
     streamed = True
 
     def __init__(self, folder: str | Path, dtype: torch.dtype | None = None, trust_remote_code: bool = False,
-                 source: str | None = None):
+                 source: str | None = None, device: str | torch.device = "cpu"):
         from accelerate import init_empty_weights
         from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -66,6 +68,7 @@ class StreamedModel(BlockModel):
         source = source or str(folder)  # the name the user gave, for messages
         self.reader = open_reader(self.folder)  # a pack-quantized folder: its layers read decompressed
         self.dtype = dtype or torch.float32
+        self.trust_remote_code, self.device = trust_remote_code, device
         try:
             config = AutoConfig.from_pretrained(self.folder, trust_remote_code=trust_remote_code)
             if isinstance(self.reader, QuantizedReader) and hasattr(config, "quantization_config"):
@@ -77,6 +80,9 @@ class StreamedModel(BlockModel):
             raise UserError(f"cannot build the model of '{source}'{hint}: {' '.join(str(err).split())[:200]}") from None
         model.tie_weights()  # empty-weight construction leaves tied weights as two parameters
         model.eval().requires_grad_(False)
+        generation = self._generation_config()
+        if generation is not None and model.can_generate():  # as from_pretrained reads it (its end-of-text ids)
+            model.generation_config = generation
         groups: dict[int, list[str]] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             groups.setdefault(id(p), []).append(name)
@@ -208,6 +214,46 @@ class StreamedModel(BlockModel):
         folder = Path(broadcast_text(None if out is None else str(out)))
         return StreamedModel(folder, self.dtype, options.trust_remote_code, source=str(output)), weights
 
+    def rewritten(self, out: Path | None, change: Callable[[int, nn.Module], None], config, progress: bool = False,
+                  source: str | None = None) -> StreamedModel:
+        """The model with every block changed in its structure (``change(index, block)``, in place,
+        on a copy of the block: head removal slices q/k/v and the output projection) written into
+        ``out`` with ``config`` (the changed model's) beside it, then opened from there; this
+        model is left as it was. The writer plans the changed shapes from meta copies of the
+        blocks, then each block is read, copied, changed and written (the block and its copy
+        resident), and the front, final norm and head pass through as they are: the files
+        ``save_pretrained`` of the changed model writes. Under ``torchrun`` the rank given ``out``
+        writes; the others (``out`` None) open its files once written."""
+        from fairprune.distributed import broadcast_text
+        from fairprune.hub.shards import ShardWriter
+
+        if out is not None:
+            planned, parameters = self.output_tensors(), self.num_parameters()
+            for index, block in enumerate(self.blocks):  # the changed shapes, from meta copies (no weights read)
+                changed = copy.deepcopy(block)
+                change(index, changed)
+                planned.update(self._state(block, changed))
+                parameters += sum(p.numel() for p in changed.parameters()) - sum(p.numel() for p in block.parameters())
+            writer = ShardWriter(out, planned, total_parameters=parameters)
+            try:
+                for index, block in self.each_block("cpu", progress, desc="writing"):
+                    changed = copy.deepcopy(block)
+                    change(index, changed)
+                    writer.write_many(self._state(block, changed).items())
+                    del changed
+                for name in writer.missing():  # the front, the final norm, the head: as they are
+                    writer.write(name, self.read_output(name))
+                writer.close()
+            finally:
+                writer.abort()
+            self.write_model_files(Path(out), config=config)
+        folder = Path(broadcast_text(None if out is None else str(out)))
+        return StreamedModel(folder, self.dtype, self.trust_remote_code, source=source or str(folder), device=self.device)
+
+    def _state(self, block: nn.Module, changed: nn.Module) -> dict[str, torch.Tensor]:
+        """The state-dict entries of ``changed`` (a copy of ``block``) under ``block``'s full names."""
+        return dict(changed.state_dict(prefix=self.prefix(block)))
+
     def facts(self) -> dict[str, int]:
         """The sizes a report's ``memory`` records: the model's, its largest block's and the largest
         part resident at once."""
@@ -215,24 +261,27 @@ class StreamedModel(BlockModel):
         parts = [self.nbytes(*self.front_modules()), self.nbytes(*self.tail_modules()[:-1]), self.nbytes(self.tail_modules()[-1])]
         return {"largest_block_bytes": block, "largest_part_bytes": max(block, *parts), "model_bytes": self.weight_bytes()}
 
-    def write_model_files(self, out: Path, dtype: torch.dtype | None = None) -> None:
-        """``config.json`` (``dtype``, default the run's) and ``generation_config.json`` beside the
-        weights, as ``save_pretrained`` writes them."""
-        from transformers import GenerationConfig
-
-        config = self.model.config
+    def write_model_files(self, out: Path, dtype: torch.dtype | None = None, config=None) -> None:
+        """``config.json`` (``dtype``, default the run's; ``config``, default the model's) and
+        ``generation_config.json`` beside the weights, as ``save_pretrained`` writes them."""
+        config = config or self.model.config
         config.architectures = [type(self.model).__name__]
         config.dtype = dtype or self.dtype
         config.save_pretrained(out)
-        generation = None
-        if (self.folder / "generation_config.json").is_file():
-            try:
-                generation = GenerationConfig.from_pretrained(self.folder)
-            except (OSError, ValueError):
-                generation = None
-        generation = generation or getattr(self.model, "generation_config", None)
+        generation = self._generation_config() or getattr(self.model, "generation_config", None)
         if generation is not None and self.model.can_generate():
             generation.save_pretrained(out)
+
+    def _generation_config(self):
+        """The folder's ``generation_config.json`` (None: none, or unreadable)."""
+        from transformers import GenerationConfig
+
+        if not (self.folder / "generation_config.json").is_file():
+            return None
+        try:
+            return GenerationConfig.from_pretrained(self.folder)
+        except (OSError, ValueError):
+            return None
 
     # -- loading ----------------------------------------------------------------------------------
     def nbytes(self, *modules: nn.Module) -> int:

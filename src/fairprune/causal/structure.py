@@ -215,8 +215,9 @@ def _check_alike(model: nn.Module, blocks: list[nn.Module], names: set[str]) -> 
 @torch.no_grad()
 def block_calls(model: nn.Module, blocks, returns_tuple: bool, **inputs) -> tuple[torch.Tensor, list[BlockCall]]:
     """Block 0's hidden-states input and every block's other arguments, for one call of the
-    model on ``inputs`` (``input_ids``, ``attention_mask``): the skeleton forward with every
-    block a stub, stopped after the last block. The front must be resident; no block runs."""
+    model on ``inputs`` (``input_ids``, ``attention_mask``; ``use_cache`` and the cache for a
+    generation step, else no cache): the skeleton forward with every block a stub, stopped after
+    the last block. The front must be resident; no block runs."""
     calls: list[BlockCall] = []
     first: list[torch.Tensor] = []
 
@@ -231,7 +232,7 @@ def block_calls(model: nn.Module, blocks, returns_tuple: bool, **inputs) -> tupl
 
     with stubbed(blocks, stub):
         try:
-            model(**inputs, use_cache=False)
+            model(**{"use_cache": False, **inputs})
         except _Stop:
             pass
     if len(calls) != len(blocks):

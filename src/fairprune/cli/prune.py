@@ -52,8 +52,8 @@ def commands() -> dict[str, Command]:
                                    {"method": method}, hide=("quantize_methods",))
     table["fasp"] = Command("FASP: remove the attention heads that most raise toxicity disparity, protecting the "
                                "heads perplexity needs (or a baseline: " + ", ".join(registry.names("heads")[1:]) + ").",
-                               "fairprune.workflows.heads:fasp", hide=("save_format", "stream", "quantize",
-                                                                         "quant_group_size", "quantize_methods"))
+                               "fairprune.workflows.heads:fasp", hide=("save_format", "quantize", "quant_group_size",
+                                                                         "quantize_methods"))
     table["diff-compare"] = Command("Full fine-tuning vs fine-tuning + magnitude-pruned difference vs Diff-Pruning, "
                                        "one table, from a train.py text config.", "fairprune.cli.prune:diff_compare")
     table["evaluate"] = Command("Perplexity, stereotype score and sparsity of a causal LM.",

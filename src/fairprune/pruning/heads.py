@@ -8,7 +8,8 @@
   its own ``[layers, heads]`` gates, so one forward pass evaluates many head sets at once.
 * :func:`remove_heads` slices heads out of q/k/v and the output projection and updates the
   attention module's head-count attributes, so the pruned model computes exactly what the gated
-  model computes.
+  model computes; :func:`write_without_heads` does the same to a streamed model, writing each
+  block without its heads into a new folder (one block resident).
 
 Where a family keeps its heads (attention module, q/k/v projections, head-count attributes) is
 part of its row in :data:`fairprune.causal.families.FAMILIES`; this module has no table of its own.
@@ -36,6 +37,7 @@ serve the same number of query heads, so groups are padded with zeroed query hea
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -44,6 +46,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from fairprune.causal.blocks import BlockModel, as_blocks
 from fairprune.causal.families import Family, family_of, linear_weight
 from fairprune.errors import UserError
 
@@ -56,7 +59,8 @@ Head = tuple[int, int]  # (layer, head)
 
 
 class HeadGates:
-    """Per-head gates on the attention output projections of ``model``.
+    """Per-head gates on the attention output projections of ``model`` (an ``nn.Module`` or a block
+    model: the hooks sit on its modules, so they gate a streamed model's blocks as they run).
 
     Example::
 
@@ -70,7 +74,8 @@ class HeadGates:
     makes ``∂loss/∂gate`` available in ``gates.values.grad`` after a backward pass.
     """
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module | BlockModel):
+        model = model.model if isinstance(model, BlockModel) else model
         self.family = family_of(model)
         self.family.require_heads()
         self.blocks = list(self.family.block_list(model))
@@ -218,31 +223,58 @@ class _LayerPlan:
 def remove_heads(model: nn.Module, heads: Iterable[Head], loadable: bool = True) -> HeadRemoval:
     """Prune ``heads`` from ``model`` in place (see the module docstring for ``loadable``)."""
     family = family_of(model)
-    family.require_heads()
-    config = model.config
     blocks = family.block_list(model)
+    change, report, fields = _removal(family, model.config, len(blocks), heads, loadable)
+    for layer, block in enumerate(blocks):
+        change(layer, block)
+    for name, value in fields.items():  # every layer now has the same counts (the plan pads them): the config states them
+        setattr(model.config, name, value)
+    return report
+
+
+@torch.no_grad()
+def write_without_heads(blocks, heads: Iterable[Head], loadable: bool, out, progress: bool = False,
+                        source: str | None = None):
+    """:func:`remove_heads` for a streamed model (:class:`~fairprune.causal.streamed.StreamedModel`):
+    the pruned model written into ``out`` block by block, one block resident, and opened from
+    there (``(pruned, report)``); ``blocks`` itself is left as it was. Its files are those
+    ``save_pretrained`` of the model pruned in memory writes."""
+    change, report, fields = _removal(blocks.family, blocks.config, len(blocks.blocks), heads, loadable)
+    config = copy.deepcopy(blocks.config)
+    for name, value in fields.items():
+        setattr(config, name, value)
+    return blocks.rewritten(out, change, config, progress, source), report
+
+
+def _removal(family: Family, config, layers: int, heads: Iterable[Head], loadable: bool):
+    """What removing ``heads`` does to a model of ``layers`` blocks: ``change(layer, block)`` (the
+    block's tensors sliced and zeroed in place), the :class:`HeadRemoval` and the config fields
+    it sets (with ``loadable`` on a family whose config states ``head_dim``)."""
+    family.require_heads()
     n_heads, n_kv, head_dim = family.num_heads(config), family.num_kv_heads(config), family.head_dim(config)
-    by_layer: list[set[int]] = [set() for _ in blocks]
+    by_layer: list[set[int]] = [set() for _ in range(layers)]
     for layer, head in heads:
-        if not (0 <= layer < len(blocks) and 0 <= head < n_heads):
-            raise UserError(f"head ({layer}, {head}) does not exist; the model has {len(blocks)} layers × {n_heads} heads")
+        if not (0 <= layer < layers and 0 <= head < n_heads):
+            raise UserError(f"head ({layer}, {head}) does not exist; the model has {layers} layers × {n_heads} heads")
         by_layer[layer].add(head)
     plans = _plan(by_layer, n_heads, n_kv, shrink=not loadable or family.heads_shrinkable, uniform=loadable)
     report = HeadRemoval()
-    for layer, (block, plan) in enumerate(zip(blocks, plans)):
-        _apply(family, block, plan, n_heads, n_kv, head_dim)
+    for layer, plan in enumerate(plans):
         report.removed += [(layer, h) for h in sorted(by_layer[layer]) if h not in plan.q_keep]
         report.zeroed += [(layer, h) for h in plan.zero_q]
         report.kv_removed += [(layer, g) for g in range(n_kv) if g not in plan.kv_keep]
         report.kv_zeroed += [(layer, g) for g in plan.zero_kv]
         report.heads_per_layer.append(len(plan.q_keep))
+    fields = {}
     if loadable and family.heads_shrinkable:
-        # Every layer now has the same counts (the plan pads them), which the config can state.
-        setattr(config, family.head_dim_key, head_dim)
-        setattr(config, family.heads_key, len(plans[0].q_keep))
+        fields = {family.head_dim_key: head_dim, family.heads_key: len(plans[0].q_keep)}
         if family.kv_heads_key:
-            setattr(config, family.kv_heads_key, len(plans[0].kv_keep))
-    return report
+            fields[family.kv_heads_key] = len(plans[0].kv_keep)
+
+    def change(layer: int, block: nn.Module) -> None:
+        _apply(family, block, plans[layer], n_heads, n_kv, head_dim)
+
+    return change, report, fields
 
 
 def _plan(by_layer: list[set[int]], n_heads: int, n_kv: int, shrink: bool, uniform: bool) -> list[_LayerPlan]:
@@ -341,20 +373,22 @@ def _keep(layer: nn.Module, index: list[int], dim: int) -> None:
         layer.out_features, layer.in_features = out_features, in_features
 
 
-def head_weight_norms(model: nn.Module) -> torch.Tensor:
+@torch.no_grad()
+def head_weight_norms(model) -> torch.Tensor:
     """``[layers, heads]`` L2 norm of each head's weights: its q rows, its key/value head's k/v rows
-    (shared under grouped-query attention) and its columns of the output projection."""
-    family = family_of(model)
-    config = model.config
+    (shared under grouped-query attention) and its columns of the output projection. ``model``:
+    an ``nn.Module`` or a block model (one block loaded at a time)."""
+    blocks = as_blocks(model)
+    family, config = blocks.family, blocks.config
     n_heads, n_kv, head_dim = family.num_heads(config), family.num_kv_heads(config), family.head_dim(config)
     group = n_heads // n_kv
     norms = []
-    for block in family.block_list(model):
+    for _, block in blocks.each_block(blocks.run_device()):
         weights = [linear_weight(layer).float() for layer in family.qkv_layers(block)]
         q, k, v = weights if len(weights) == 3 else weights[0].split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim])
         out = linear_weight(family.attention_out(block)).float()
         sq = lambda w: w.pow(2).view(-1, head_dim, w.shape[-1]).sum((1, 2))  # noqa: E731 [heads]
         kv = (sq(k) + sq(v)).repeat_interleave(group)
         o = out.t().pow(2).reshape(n_heads, head_dim, -1).sum((1, 2))
-        norms.append((sq(q) + kv + o).sqrt())
+        norms.append((sq(q) + kv + o).sqrt().cpu())
     return torch.stack(norms)

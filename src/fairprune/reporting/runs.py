@@ -48,11 +48,8 @@ def write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any
     ``heads``: a head-pruning run's result (a ``FaspResult``): its plots are written, its scoring
     journal stays in the folder and the card is a head run's."""
     check_result(model, output, report.get("method"))
-    report.setdefault("threads", torch.get_num_threads())
 
     def write(out: Path) -> None:
-        if heads is not None:
-            _head_plots(out, heads)
         if save_format is None:
             model.save_pretrained(out)
         else:  # the bytes are measured in the staged folder, before the report is written
@@ -60,10 +57,20 @@ def write_run(output: str | os.PathLike, model, tokenizer, report: dict[str, Any
 
             report["weights"] = save_weights(model, out, save_format, nm,
                                              Resident(model).layers() if save_format == "compressed" else None)
-        tokenizer.save_pretrained(out)
-        write_run_files(out, report, config, layers, *items, card=LMCard if heads is None else HeadCard)
+        _beside_model(out, tokenizer, report, config, (layers, *items), heads)
 
     return replace_folder(output, write, keep=() if heads is None else JOURNAL, owned=RUN_FILES)
+
+
+def _beside_model(out: Path, tokenizer, report: dict[str, Any], config: dict[str, Any], tables: tuple,
+                  heads: Any = None) -> None:
+    """Everything a run's staging folder ``out`` holds beside the model's weights: a head run's
+    plots, the tokenizer and the run files (``tables``: per-layer sparsity, eval and task items)."""
+    report.setdefault("threads", torch.get_num_threads())
+    if heads is not None:
+        _head_plots(out, heads)
+    tokenizer.save_pretrained(out)
+    write_run_files(out, report, config, *tables, card=LMCard if heads is None else HeadCard)
 
 
 def write_run_files(out: Path, report: dict[str, Any], config: dict[str, Any], layers: dict[str, float] | None = None,
@@ -91,6 +98,12 @@ def write_head_run(output: str | os.PathLike, model, tokenizer, result: Any, con
     when ``--tasks`` ran, then the model and its report; the scoring journal (``head_scores.csv``)
     stays in the folder."""
     return write_run(output, model, tokenizer, result.report, config, items=(None, task_items), heads=result)
+
+
+def write_head_files(out: Path, tokenizer, result: Any, config: dict[str, Any], task_items: Any = None) -> None:
+    """What :func:`write_head_run` writes beside the model, into a staging folder ``out`` whose
+    weights are already in (a streamed model's, written block by block as its heads went)."""
+    _beside_model(out, tokenizer, result.report, config, (None, None, task_items), result)
 
 
 def _head_plots(out: Path, result: Any) -> None:

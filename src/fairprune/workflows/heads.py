@@ -1,5 +1,11 @@
 """Attention-head pruning runs: ``prune.py fasp`` (FASP or a baseline) and ``prune.py compare
---alphas`` (several methods × α with the heads scored once).
+--alphas`` (several methods × α with the heads scored once and the dense model measured once).
+
+The model is opened as the weight-pruning commands open it (:func:`fairprune.workflows.opened.stream_choice`,
+``--stream true|false|auto``): in memory, or streamed from its safetensors folder with one block
+resident — scored by passes over its blocks, its pruned blocks written into the run's folder as
+they lose their heads and the pruned model measured from there, with the figures of the in-memory
+run. A streamed compare opens the model once for all its runs.
 
 Both run under ``torchrun`` too (``@torchrun``): every rank loads the model on its device (``--device
 auto`` takes the rank's GPU when there is one), the heads are scored in shares across the ranks,
@@ -10,61 +16,99 @@ from __future__ import annotations
 
 import shutil
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
 from fairprune import distributed
-from fairprune.causal.families import family_of
 from fairprune.data.files import read_calib_text, read_text
 from fairprune.data.prompts import read_prompts, split_prompts
 from fairprune.data.text import render_calib_text
 from fairprune.errors import UserError
-from fairprune.hub import load_model, load_tokenizer, resolve_device
-from fairprune.hub.checks import check_input_model, check_result, saved_bytes
+from fairprune.hub import load_tokenizer, resolve_device
+from fairprune.hub.checks import check_result
 from fairprune.pruning import registry
+from fairprune.pruning.lm_run import lm_tasks
 from fairprune.pruning.options import HeadOptions, LMOptions
-from fairprune.pruning.tasks import attach, measure_tasks, task_specs
+from fairprune.pruning.tasks import attach, task_specs
 from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.records import HeadRow
-from fairprune.reporting.runs import write_head_run
-from fairprune.storage.folders import check_free_space
+from fairprune.reporting.runs import JOURNAL, RUN_FILES, write_head_files, write_head_run
+from fairprune.storage.folders import check_free_space, replace_folder
 from fairprune.storage.lock import locked
 from fairprune.workflows.launch import torchrun
+from fairprune.workflows.opened import open_blocks, stream_choice
 from fairprune.workflows.options import MachineOptions, model_folder
 
 
+@dataclass
+class _Shared:
+    """What the runs of one command share: whether the model streams (decided once), the model
+    when a run leaves it as it was (streamed: its skeleton, whose weights stay in the folder; a
+    model in memory loses its heads in place and is loaded again per run), and the dense model's
+    figures once measured (its test measurement and lm-eval results)."""
+
+    stream: bool
+    blocks: Any = None
+    reference: dict | None = None
+    tasks: Any = None
+
+
 def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alpha: float, output: Path,
-                 machine: MachineOptions, specs: list | None = None) -> dict[str, Any]:
-    """Load the model, score / select / remove heads with ``method`` at ``alpha``; write the pruned
-    model, its plots and ``report.json`` into ``output``. ``specs``: lm-eval tasks scored on the
-    model before and after (``--tasks``; the dense model's from the cache after the first run)."""
+                 machine: MachineOptions, specs: list | None, shared: _Shared) -> dict[str, Any]:
+    """Score / select / remove heads with ``method`` at ``alpha``; write the pruned model, its plots
+    and ``report.json`` into ``output``. In memory the model is loaded and pruned in place, then
+    saved; streamed (``--stream``) it is scored block by block and its pruned blocks are written
+    into the run's staging folder as they lose their heads, and measured from there. ``specs``:
+    lm-eval tasks scored on the model before and after (``--tasks``)."""
     from fairprune.pruning.fasp import FaspSettings, run_fasp
 
     prompts = read_prompts(heads.prompts) if heads.prompts else None
     if prompts is not None:
         split_prompts(prompts, seed=lm.seed, axes=heads.axis)  # before any work: both parts can measure bias
-    model = load_model(lm.model, "causal-lm", lm.trust_remote_code, dtype=lm.dtype)
-    check_input_model(model, lm.model)  # before any work: NaN / inf weights cannot be scored
-    family_of(model).require_heads(f"prune.py {method}")  # before any work: where its heads are
-    check_free_space(output, saved_bytes(model, tokenizer))
-    model = model.to(resolve_device(lm.device))
-    talk = machine.progress and distributed.is_main()
-    dense_tasks = measure_tasks(model, tokenizer, specs, lm, resolve_device(lm.device), talk, use_cache=lm.dense_cache,
-                                who="dense model: ")
+    device, talk = resolve_device(lm.device), machine.progress and distributed.is_main()  # --device cuda without one: refused
+    blocks = shared.blocks if shared.blocks is not None else open_blocks(lm, shared.stream)  # NaN / inf refused
+    blocks.family.require_heads(f"prune.py {method}")  # before any work: where its heads are
+    check_free_space(output, blocks.saved_bytes(tokenizer))
+    if shared.tasks is None:
+        shared.tasks = lm_tasks(blocks, tokenizer, specs, lm, device, talk, dense=True)
+    if blocks.streamed:
+        blocks.device = device
+    else:
+        blocks.model.to(device)
     scoring_text = render_calib_text(tokenizer, read_calib_text(lm.calib_text)) if lm.calib_text else None
     eval_text = read_text(lm.eval_text) if lm.eval_text else None
-    result = run_fasp(model, tokenizer, prompts, scoring_text, method, replace(heads, alpha=alpha), output, calibration=lm,
-                      settings=FaspSettings(eval_text=eval_text, progress=machine.progress and distributed.is_main()))
-    result.report["model"] = lm.model
-    tasks = measure_tasks(model, tokenizer, specs, lm, resolve_device(lm.device), talk, who=f"{method}: ")
-    attach(result.report, tasks, dense_tasks)
     config = {"method": method, **asdict(lm), **asdict(heads), "alpha": alpha}
-    check_result(model, output, method)  # on every rank: all stop together
-    if distributed.is_main():
-        write_head_run(output, model.cpu(), tokenizer, result, config, None if tasks is None else tasks.items)
+
+    def run(out: Path | None):
+        settings = FaspSettings(eval_text=eval_text, progress=talk, output=out, reference=shared.reference)
+        result = run_fasp(blocks, tokenizer, prompts, scoring_text, method, replace(heads, alpha=alpha), output,
+                          calibration=lm, settings=settings)
+        if blocks.streamed:  # every rank measured the pruned model from the staging folder before rank 0 moves it
+            distributed.barrier()
+        result.report.update(model=lm.model, stream=blocks.streamed)
+        tasks = lm_tasks(result.pruned, tokenizer, specs, lm, device, talk, who=f"{method}: ")
+        attach(result.report, tasks, shared.tasks)
+        shared.reference = result.reference
+        if out is not None and blocks.streamed:  # the weights are in: the rest of the run beside them
+            write_head_files(out, tokenizer, result, config, None if tasks is None else tasks.items)
+        return result, tasks
+
+    if blocks.streamed:  # scored block by block; the pruned blocks go into the staging folder as they are cut
+        shared.blocks = blocks  # left as it was: the next run of a compare takes it
+        done: list = []
+        if distributed.is_main():
+            replace_folder(output, lambda out: done.append(run(out)), keep=JOURNAL, owned=RUN_FILES)
+        else:
+            done.append(run(None))
+        result = done[0][0]
+    else:
+        result, tasks = run(None)
+        check_result(blocks.model, output, method)  # on every rank: all stop together
+        if distributed.is_main():
+            write_head_run(output, blocks.model.cpu(), tokenizer, result, config, None if tasks is None else tasks.items)
     distributed.barrier()
     return result.report
 
@@ -88,7 +132,7 @@ def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = 
     registry.get(method, "heads")
     specs = task_specs(lm)
     tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
-    report = _prune_heads(lm, tokenizer, method, heads, heads.alpha, Path(output), machine, specs)
+    report = _prune_heads(lm, tokenizer, method, heads, heads.alpha, Path(output), machine, specs, _Shared(stream_choice(lm)))
     if not distributed.is_main():
         return report
     print(f"[fasp] {method}: removed {len(report.get('heads_removed', []))} heads; perplexity "
@@ -137,18 +181,18 @@ def _compare_folders(output: str, methods: list[str], alphas: list[float], **_: 
 def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output: str,
                   heads: HeadOptions = HeadOptions(), machine: MachineOptions = MachineOptions()) -> pd.DataFrame:
     """FASP and its baselines at several α from one model: heads are scored once (the first run
-    writes ``head_scores.csv``; later runs resume from a copy of it), one table of bias and
-    perplexity in ``output``."""
+    writes ``head_scores.csv``; later runs resume from a copy of it) and the dense model is measured
+    once, one table of bias and perplexity in ``output``. Streamed (``--stream``), the model is
+    opened once and every run reads it from its folder; in memory each run loads it afresh (it
+    loses its heads in place)."""
     machine.apply()
-    if lm.stream is True:
-        raise UserError("--stream true streams weight pruning (--sparsities); head pruning (--alphas) holds the model "
-                        "in memory: drop --stream")
     entries = {method: registry.get(method, "heads") for method in methods}
     for alpha in alphas:
         if not 0.0 <= alpha <= 1.0:
             raise UserError(f"--alphas must be in [0, 1], got {alpha}")
     specs = task_specs(lm)
     tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
+    together = _Shared(stream_choice(lm))  # streamed: the model opened once; the dense figures measured once
     out, shared = Path(output), None
     rows: list[HeadRow] = []
     intervals: list[tuple[dict[str, Any], dict[str, Any]]] = []
@@ -163,7 +207,7 @@ def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output
                     for name in ("head_scores.csv", "head_scores.json"):
                         shutil.copy(shared / name, run / name)
                 print(f"[compare] {run.name} ...", flush=True)
-            report = _prune_heads(lm, tokenizer, method, heads, alpha, run, machine, specs)
+            report = _prune_heads(lm, tokenizer, method, heads, alpha, run, machine, specs, together)
             if (run / "head_scores.csv").exists() and shared is None:
                 shared = run
             if not rows:

@@ -15,21 +15,26 @@ The method in four steps, all in one process on one model:
 3. **Choose γ** (:func:`search_gamma`) on the validation prompts when it is not given: the γ
    with the lowest bias among those whose perplexity is within ``tolerance`` (relative) of the
    best baseline's perplexity.
-4. **Remove** the heads (:func:`~fairprune.pruning.heads.remove_heads`) and save the model.
+4. **Remove** the heads (:func:`~fairprune.pruning.heads.remove_heads`) and save the model (a
+   streamed model: :func:`~fairprune.pruning.heads.write_without_heads`, block by block).
 
 :func:`run_fasp` does all of it and returns a report.
 
 The package, one module per step (the public names are re-exported here, so
 ``from fairprune.pruning.fasp import run_fasp`` works):
 
+- :mod:`~fairprune.pruning.fasp.passes`: every forward as a pass over a block model, each block
+  loaded once for all its batches (a model in memory or streamed from disk, one code path);
 - :mod:`~fairprune.pruning.fasp.scoring`: :class:`Evaluator`, bias and perplexity measurement,
   :func:`score_heads` with its resume and its shares under ``torchrun``;
 - :mod:`~fairprune.pruning.fasp.sampling`: generation settings and the one KV-cached sampling loop
   (per-prompt seeded draws: the same text in any batch);
 - :mod:`~fairprune.pruning.fasp.batched`: many head configurations per forward pass, perplexity
   from stored layer-boundary states;
+- :mod:`~fairprune.pruning.fasp.gradient`: :func:`gradient_importance` (the gradient baseline),
+  backpropagation split at the block boundaries;
 - :mod:`~fairprune.pruning.fasp.selection`: :func:`counts`, :func:`select_fasp`,
-  :func:`select_heads` (baselines), :func:`gradient_importance`, :func:`search_gamma`;
+  :func:`select_heads` (baselines), :func:`search_gamma`;
 - :mod:`~fairprune.pruning.fasp.run`: :func:`run_fasp`.
 
 The plots (:func:`~fairprune.reporting.plots.plot_head_heatmap`,
@@ -39,6 +44,7 @@ The plots (:func:`~fairprune.reporting.plots.plot_head_heatmap`,
 
 from __future__ import annotations
 
+from fairprune.pruning.fasp.gradient import gradient_importance
 from fairprune.pruning.fasp.run import FaspResult, FaspSettings, run_fasp
 from fairprune.pruning.fasp.scoring import (
     BASELINE,
@@ -55,7 +61,6 @@ from fairprune.pruning.fasp.scoring import (
 from fairprune.pruning.fasp.selection import (
     Selection,
     counts,
-    gradient_importance,
     search_gamma,
     select_fasp,
     select_heads,

@@ -1,13 +1,19 @@
 """FASP step 4 and the whole run: score, select (searching γ when not given), remove the heads and
-report. What a run leaves on disk (the pruned model, the plots, ``report.json``) is written by
-the caller (:func:`fairprune.reporting.runs.write_head_run`); the only file written here is
-``head_scores.csv``, the scoring journal an interrupted run resumes from."""
+report. The model is an ``nn.Module`` or a block model (:mod:`fairprune.causal.blocks`): every
+measurement is a pass over its blocks, so a streamed model (:class:`~fairprune.causal.streamed.StreamedModel`)
+is scored, pruned and measured with one block resident and gives the figures of the model in
+memory. A model in memory loses its heads in place, and what the run leaves on disk (the pruned
+model, the plots, ``report.json``) is written by the caller
+(:func:`fairprune.reporting.runs.write_head_run`); a streamed one is written without its heads
+block by block into ``FaspSettings.output`` (:func:`fairprune.pruning.heads.write_without_heads`)
+and measured from there. The only other file written here is ``head_scores.csv``, the scoring
+journal an interrupted run resumes from."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +22,7 @@ import torch
 from torch import nn
 
 from fairprune import distributed
+from fairprune.causal.blocks import BlockModel, as_blocks
 from fairprune.data.prompts import check_prompts, holistic_prompts, split_prompts
 from fairprune.errors import UserError, suggest
 from fairprune.metrics.bootstrap import bias_intervals, bias_paired, lm_intervals, lm_paired
@@ -25,7 +32,7 @@ from fairprune.pruning import registry
 from fairprune.pruning.fasp.scoring import Evaluator, Generation, head_bias_by_axis, head_bias_impact, score_heads, token_ids
 from fairprune.pruning.fasp.selection import counts, search_gamma, select_heads
 from fairprune.pruning.head_size import measure, removal_size, tokens_per_second
-from fairprune.pruning.heads import HeadGates, remove_heads
+from fairprune.pruning.heads import HeadGates, remove_heads, write_without_heads
 from fairprune.pruning.options import CalibrationOptions, HeadOptions
 
 
@@ -39,6 +46,8 @@ class FaspResult:
     removed: list = field(default_factory=list)
     impact: Any = None  # per-head bias impact grid [layers, heads] (None when heads were not scored)
     bias_by_axis: pd.DataFrame | None = None  # per-head bias per axis, for the axis correlation plot
+    reference: dict | None = None  # the dense model's test measurement (a later run of a compare takes it)
+    pruned: Any = None  # the pruned model as a block model (streamed: read from FaspSettings.output)
 
 
 @dataclass(frozen=True)
@@ -49,7 +58,11 @@ class FaspSettings:
     from ``HeadOptions.max_new_tokens`` and the calibration seed) how continuations are sampled;
     ``validation`` the share of prompts heads are scored on, split by ``subgroup``; ``gammas`` and
     ``tolerance`` the γ search; ``loadable`` keeps the pruned model loadable by plain transformers;
-    ``batched=False`` scores one head per pass (the reference path: same scores)."""
+    ``batched=False`` scores one head per pass (the reference path: same scores). ``device``: where
+    the model runs (None: a model in memory where it is, a streamed one on its own ``device``);
+    ``output``: the folder a streamed model's pruned weights are written into (a model in memory is
+    pruned in place and saved by the caller); ``reference``: the dense model's test measurement when
+    an earlier run on the same model and settings made it (a compare's later cells), else measured."""
 
     eval_text: str | Sequence[str] | None = None
     generation: Generation | None = None
@@ -61,10 +74,13 @@ class FaspSettings:
     loadable: bool = True
     progress: bool = True
     batched: bool = True
+    device: str | None = None
+    output: str | Path | None = None
+    reference: dict | None = None
 
 
 def run_fasp(
-    model: nn.Module,
+    model: nn.Module | BlockModel,
     tokenizer,
     prompts: pd.DataFrame | None = None,
     ppl_text: str | Sequence[str] | None = None,
@@ -88,12 +104,16 @@ def run_fasp(
     ranks, and so are the trials of the γ search; everything else runs whole on every rank, so every
     rank ends with the same model and report (rank 0 alone writes the journal).
     """
+    blocks = as_blocks(model)
     gamma, alpha, axis, max_batch = heads.gamma, heads.alpha, heads.axis, heads.max_batch
     seqlen, seed, eval_tokens = calibration.seqlen, calibration.seed, calibration.eval_tokens
     generation = settings.generation or Generation(max_new_tokens=heads.max_new_tokens, seed=seed)
     subgroup, ppl_batch_size, batched = settings.subgroup, settings.ppl_batch_size, settings.batched
     if max_batch is not None and max_batch < 1:
         raise UserError(f"max_batch must be at least 1 row per forward pass, got {max_batch}")
+    if blocks.streamed and (not settings.loadable or (settings.output is None and distributed.is_main())):
+        raise UserError("a streamed model loses its heads as it is written block by block: give FaspSettings(output=...) "
+                        "and keep loadable=True (the folder must load with from_pretrained)")
     start = time.perf_counter()
     seconds: dict[str, float] = {}
     out = Path(output_dir)
@@ -109,8 +129,9 @@ def run_fasp(
 
         ppl_text = lm_corpus().validation
     scorer = make_scorer(heads.scorer if scorer is None else scorer)
-    common = dict(model=model, tokenizer=tokenizer, scorer=scorer, generation=generation, seqlen=seqlen,
-                  ppl_batch_size=ppl_batch_size, subgroup=subgroup, max_batch=max_batch)
+    common = dict(model=blocks, tokenizer=tokenizer, scorer=scorer, generation=generation, seqlen=seqlen,
+                  ppl_batch_size=ppl_batch_size, subgroup=subgroup, max_batch=max_batch, device=settings.device,
+                  progress=settings.progress)
     on_val = Evaluator(prompts=val_prompts, ppl_ids=token_ids(tokenizer, ppl_text), **common)
     on_test = Evaluator(prompts=test_prompts, ppl_ids=eval_ids(token_ids(tokenizer, settings.eval_text or ppl_text), max_tokens=eval_tokens),
                         **common)
@@ -120,14 +141,14 @@ def run_fasp(
                             f"axes present: {', '.join(sorted(val_prompts.axis.unique()))}")
     entry = registry.get(method, "heads")
     # Fail on impossible ratios before the expensive part.
-    counts(HeadGates(model).values.numel(), gamma if entry.protects and gamma is not None else 0.0, alpha)
+    counts(HeadGates(blocks).values.numel(), gamma if entry.protects and gamma is not None else 0.0, alpha)
 
     tick = time.perf_counter()
     with distributed.local():  # every rank measures the whole set: the same figures everywhere
-        reference = on_test()
+        reference = settings.reference or on_test()
     seconds["reference"] = time.perf_counter() - tick
 
-    gates, scores, search = HeadGates(model), None, None
+    gates, scores, search = HeadGates(blocks), None, None
     if entry.scored:
         tick = time.perf_counter()
         scores = score_heads(on_val, out / "head_scores.csv", gates, settings.progress, batched=batched)
@@ -138,25 +159,30 @@ def run_fasp(
                               batched=batched)
         gamma = search["gamma"]
     with distributed.local():
-        selection = select_heads(method, alpha, scores=scores, model=model, axes=axes, gamma=gamma or 0.0,
+        selection = select_heads(method, alpha, scores=scores, model=blocks, axes=axes, gamma=gamma or 0.0,
                                  ppl_ids=on_val.ppl_ids, seqlen=seqlen, batch_size=ppl_batch_size, seed=seed)
     seconds["selection"] = time.perf_counter() - tick
 
     tick = time.perf_counter()
-    size_before = measure(model, seqlen)
-    speed_before = tokens_per_second(model, on_test.ppl_ids, seqlen)
-    removal = remove_heads(model, selection.removed, loadable=settings.loadable)
-    size = removal_size(size_before, model, removal, settings.loadable)
-    size["tokens_per_second"] = {"before": speed_before, "after": tokens_per_second(model, on_test.ppl_ids, seqlen),
-                                 "window": min(seqlen, on_test.ppl_ids.numel()), "threads": torch.get_num_threads()}
+    size_before = measure(blocks.model, seqlen)
+    if blocks.streamed:  # written block by block, one resident; no throughput: a streamed forward times the disk
+        kept, removal = write_without_heads(blocks, selection.removed, True, settings.output, settings.progress)
+        size = {**removal_size(size_before, kept.model, removal), "tokens_per_second": None}
+    else:
+        kept, speed_before = blocks, tokens_per_second(blocks.model, on_test.ppl_ids, seqlen)
+        removal = remove_heads(blocks.model, selection.removed, loadable=settings.loadable)
+        size = removal_size(size_before, blocks.model, removal, settings.loadable)
+        size["tokens_per_second"] = {"before": speed_before, "window": min(seqlen, on_test.ppl_ids.numel()),
+                                     "after": tokens_per_second(blocks.model, on_test.ppl_ids, seqlen),
+                                     "threads": torch.get_num_threads()}
     seconds["removal"] = time.perf_counter() - tick
     tick = time.perf_counter()
     with distributed.local():
-        pruned = on_test()
+        pruned = replace(on_test, model=kept)()
     seconds["evaluation"] = time.perf_counter() - tick
     seconds["total"] = time.perf_counter() - start
     report = {
-        "method": method, "model": getattr(model.config, "name_or_path", "") or model.config.model_type,
+        "method": method, "model": getattr(blocks.config, "name_or_path", "") or blocks.config.model_type,
         "gamma": gamma, "alpha": alpha, "axes": axes, "heads_total": gates.values.numel(),
         "heads_removed": [list(h) for h in selection.removed], "protected": [list(h) for h in selection.protected],
         "removal": removal.as_dict(), "size": size, "scorer": scorer_name(scorer),
@@ -175,5 +201,6 @@ def run_fasp(
     report["paired"].update(bias_paired(prompt_axes, prompt_groups, pruned["toxicity"], reference["toxicity"]))
     scored = scores is not None
     return FaspResult(report, axes, list(selection.protected), list(selection.removed),
-                   head_bias_impact(scores, axes) if scored else None,
-                   head_bias_by_axis(scores) if scored and (len(axes) > 1 or prompts.axis.nunique() > 1) else None)
+                      head_bias_impact(scores, axes) if scored else None,
+                      head_bias_by_axis(scores) if scored and (len(axes) > 1 or prompts.axis.nunique() > 1) else None,
+                      reference, kept)

@@ -18,18 +18,28 @@ same tokens bit for bit; a GPU may pick different kernels for different batch sh
 near-tie can then flip a sampled token.
 
 A row that emits an end-of-sequence token is finished: it gets pad tokens from then on and its
-text ends there; the loop stops when every row is finished or after ``max_new_tokens``.
+text ends there; a batch stops when every row is finished, the loop after ``max_new_tokens``.
+
+Every step is a pass over the block model (:mod:`~fairprune.pruning.fasp.passes`): the batches
+of a pass advance together, each block loaded once per step for all of them with each batch's KV
+cache (the cache the model's own forward makes, filled by its blocks), and the head runs on the
+last position. A streamed model is read once per step and pass; a model in memory computes what its
+own forward computes.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from transformers.cache_utils import Cache
 
+from fairprune.causal.blocks import as_blocks
+from fairprune.pruning.fasp.passes import capture, element_size, hidden_size, passes, through
 from fairprune.pruning.heads import HeadGates
 
 
@@ -100,35 +110,79 @@ def _cache_keyword(model: nn.Module) -> str:
     return "cache" if "cache" in names else "past_key_values"
 
 
+@dataclass
+class _Rows:
+    """One batch of the sampling loop: its prompt rows' state between steps."""
+
+    mask: torch.Tensor
+    uniforms: torch.Tensor
+    step_ids: torch.Tensor
+    step_positions: torch.Tensor
+    gates: torch.Tensor | None
+    unfinished: torch.Tensor
+    cache: object = None
+    out: list = field(default_factory=list)
+
+
 @torch.no_grad()
-def sample_rows(model: nn.Module, prompts: Prompts, rows: Sequence[int], settings: Generation) -> torch.Tensor:
-    """New tokens ``[len(rows), steps]`` for the prompts ``rows`` (indices into ``prompts``) in one batch,
-    with whatever gates are active (:meth:`HeadGates.per_row` gates the rows one by one)."""
-    device = next(model.parameters()).device
-    index = torch.as_tensor(list(rows), dtype=torch.long)
-    ids, mask = prompts.ids[index].to(device), prompts.mask[index].to(device)
-    uniforms = prompts.uniforms[index].to(device)
-    positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
+def sample(blocks, prompts: Prompts, groups: Sequence[tuple[Sequence[int], torch.Tensor | None]], settings: Generation,
+           device, progress: bool = False) -> list[torch.Tensor]:
+    """New tokens ``[len(rows), steps]`` for each batch ``(rows, gates)`` of ``groups``: the prompts
+    ``rows`` (indices into ``prompts``), gated row by row by ``gates`` (``[len(rows), layers, heads]``;
+    None: the model's gates as they stand). ``blocks``: a block model, run on ``device``."""
+    width = prompts.ids.shape[1] + settings.max_new_tokens
+    hidden = hidden_size(blocks.config)
+    row_bytes = width * hidden * (1 + 2 * len(blocks.blocks)) * element_size(blocks)  # hidden states and KV cache
+    gates = HeadGates(blocks) if any(g is not None for _, g in groups) else None
+    tokens: list[torch.Tensor] = []
+    with gates if gates is not None else nullcontext():
+        for group in passes(list(groups), lambda g: len(g[0]) * row_bytes):
+            tokens += _lockstep(blocks, prompts, group, settings, (device, gates, progress))
+    return tokens
+
+
+def _lockstep(blocks, prompts: Prompts, group, settings: Generation, how: tuple) -> list[torch.Tensor]:
+    """The sampling loop for the batches of one pass, step by step together."""
+    device, gates, progress = how
+    states = []
+    for rows, row_gates in group:
+        index = torch.as_tensor(list(rows), dtype=torch.long)
+        mask = prompts.mask[index].to(device)
+        positions = (mask.cumsum(-1) - 1).masked_fill_(mask == 0, 1)
+        states.append(_Rows(mask, prompts.uniforms[index].to(device), prompts.ids[index].to(device), positions,
+                            row_gates, torch.ones(len(index), dtype=torch.bool, device=device)))
     eos = torch.tensor(prompts.eos_ids, dtype=torch.long, device=device)
-    keyword = _cache_keyword(model)
-    keep = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(model.forward).parameters else {}
-    unfinished = torch.ones(len(index), dtype=torch.bool, device=device)
-    out, cache, step_ids, step_positions = [], None, ids, positions
+    keyword = _cache_keyword(blocks.model)
+    live = [s for s in states if len(s.mask)]
     for step in range(settings.max_new_tokens):
-        result = model(input_ids=step_ids, attention_mask=mask, position_ids=step_positions, use_cache=True,
-                       **{keyword: cache}, **keep)
-        cache = getattr(result, keyword, None)
-        if cache is None:
-            cache = getattr(result, "past_key_values", None)
-        token = _pick(result.logits[:, -1].float(), uniforms[:, step], settings)
-        token = torch.where(unfinished, token, torch.full_like(token, prompts.pad_id))
-        out.append(token)
-        unfinished &= ~torch.isin(token, eos)
-        if not bool(unfinished.any()):
+        if not live:
             break
-        mask = torch.cat([mask, mask.new_ones(len(index), 1)], dim=1)
-        step_ids, step_positions = token[:, None], step_positions[:, -1:] + 1
-    return torch.stack(out, dim=1).cpu() if out else torch.zeros(len(index), 0, dtype=torch.long)
+        batches = capture(blocks, [{"input_ids": s.step_ids, "attention_mask": s.mask, "position_ids": s.step_positions,
+                                    "use_cache": True, keyword: s.cache} for s in live], device)
+        for s, batch in zip(live, batches):
+            s.cache = _cache_of(batch.calls[0]) if s.cache is None else s.cache
+            batch.gates = s.gates
+        for index, block in blocks.each_block(device, progress, f"token {step + 1}"):
+            through(index, block, batches, gates)
+        finals = blocks.tail([batch.hidden[:, -1:] for batch in batches], device)
+        with blocks.head(device) as head:
+            for s, final in zip(live, finals):
+                token = _pick(head(final)[:, -1].float(), s.uniforms[:, step], settings)
+                token = torch.where(s.unfinished, token, torch.full_like(token, prompts.pad_id))
+                s.out.append(token)
+                s.unfinished &= ~torch.isin(token, eos)
+                s.mask = torch.cat([s.mask, s.mask.new_ones(len(s.mask), 1)], dim=1)
+                s.step_ids, s.step_positions = token[:, None], s.step_positions[:, -1:] + 1
+        live = [s for s in live if bool(s.unfinished.any())]
+    return [torch.stack(s.out, dim=1).cpu() if s.out else torch.zeros(len(s.mask), 0, dtype=torch.long) for s in states]
+
+
+def _cache_of(call) -> Cache:
+    """The KV cache the model's forward made and passes to its blocks."""
+    for value in (*call.args, *call.kwargs.values()):
+        if isinstance(value, Cache):
+            return value
+    raise RuntimeError("the model passed no KV cache to its decoder layers; it cannot be sampled block by block")
 
 
 def decode(tokenizer, tokens: torch.Tensor, prompts: Prompts) -> list[str]:
@@ -144,33 +198,34 @@ def decode(tokenizer, tokens: torch.Tensor, prompts: Prompts) -> list[str]:
 
 
 @torch.no_grad()
-def generate_continuations(model: nn.Module, tokenizer, texts: Sequence[str], settings: Generation = Generation()) -> list[str]:
+def generate_continuations(model, tokenizer, texts: Sequence[str], settings: Generation = Generation(),
+                           device=None) -> list[str]:
     """The model's continuation of each prompt (new tokens only), in batches of ``settings.batch_size``
     prompts. The result depends on the model and the settings alone: not on what ran before (the
-    global RNG is neither read nor changed) nor on the batch size."""
-    prompts = encode_prompts(model, tokenizer, texts, settings)
+    global RNG is neither read nor changed) nor on the batch size. ``model``: an ``nn.Module`` or a
+    block model; ``device``: where it runs (None: its own)."""
+    blocks = as_blocks(model)
+    prompts = encode_prompts(blocks.model, tokenizer, texts, settings)
     order = list(range(len(prompts)))
-    tokens = [sample_rows(model, prompts, order[i : i + settings.batch_size], settings)
-              for i in range(0, len(order), max(1, settings.batch_size))]
+    step = max(1, settings.batch_size)
+    tokens = sample(blocks, prompts, [(order[i : i + step], None) for i in range(0, len(order), step)], settings,
+                    device or blocks.run_device())
     return [text for chunk in tokens for text in decode(tokenizer, chunk, prompts)]
 
 
 @torch.no_grad()
-def generate_configurations(model: nn.Module, tokenizer, texts: Sequence[str], configs: torch.Tensor,
-                            settings: Generation, rows_per_pass: int) -> list[list[str]]:
+def generate_configurations(model, tokenizer, texts: Sequence[str], configs: torch.Tensor, settings: Generation,
+                            rows_per_pass: int, device=None, progress: bool = False) -> list[list[str]]:
     """Continuations of every prompt under every head configuration of ``configs`` (``[C, layers,
     heads]`` gates, on top of the model's current gates): ``C`` lists of ``len(texts)`` texts.
     Rows are (configuration, prompt) pairs, configuration-major, ``rows_per_pass`` per forward."""
-    prompts = encode_prompts(model, tokenizer, texts, settings)
+    blocks = as_blocks(model)
+    prompts = encode_prompts(blocks.model, tokenizer, texts, settings)
     n = len(prompts)
     pairs = [(c, p) for c in range(configs.shape[0]) for p in range(n)]
-    gates = HeadGates(model)
-    texts_out: list[str] = []
-    with gates:
-        for start in range(0, len(pairs), max(1, rows_per_pass)):
-            chunk = pairs[start : start + max(1, rows_per_pass)]
-            rows = configs[torch.tensor([c for c, _ in chunk])]
-            with gates.per_row(rows):
-                tokens = sample_rows(model, prompts, [p for _, p in chunk], settings)
-            texts_out += decode(tokenizer, tokens, prompts)
+    step = max(1, rows_per_pass)
+    chunks = [pairs[start : start + step] for start in range(0, len(pairs), step)]
+    groups = [([p for _, p in chunk], configs[torch.tensor([c for c, _ in chunk])]) for chunk in chunks]
+    tokens = sample(blocks, prompts, groups, settings, device or blocks.run_device(), progress)
+    texts_out = [text for chunk in tokens for text in decode(tokenizer, chunk, prompts)]
     return [texts_out[c * n : (c + 1) * n] for c in range(configs.shape[0])]

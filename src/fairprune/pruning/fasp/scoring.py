@@ -25,11 +25,12 @@ import torch
 from torch import nn
 
 from fairprune import distributed
+from fairprune.causal.blocks import BlockModel, as_blocks
 from fairprune.data.text import join_documents
 from fairprune.errors import UserError, suggest
-from fairprune.metrics.language import perplexity_of, window_losses
+from fairprune.metrics.language import eval_windows, perplexity_of
 from fairprune.metrics.toxicity import ToxicityScorer, bias_by_axis, make_scorer, scorer_name
-from fairprune.pruning.fasp.batched import auto_rows, perplexities
+from fairprune.pruning.fasp.batched import auto_rows, perplexities, window_nll
 from fairprune.pruning.fasp.sampling import Generation, generate_configurations, generate_continuations
 from fairprune.pruning.heads import Head, HeadGates
 from fairprune.storage.atomic import write_text
@@ -42,14 +43,15 @@ BASELINE = (-1, -1)  # the (layer, head) key of the unpruned model's row in head
 # --------------------------------------------------------------------------------------------
 
 
-def prompt_toxicity(model: nn.Module, tokenizer, prompts: pd.DataFrame, scorer: ToxicityScorer,
-                    settings: Generation = Generation()) -> np.ndarray:
-    """The toxicity of each prompt's continuation (float64, in the prompts' order), from one generation pass."""
-    continuations = generate_continuations(model, tokenizer, prompts.text.tolist(), settings)
+def prompt_toxicity(model, tokenizer, prompts: pd.DataFrame, scorer: ToxicityScorer,
+                    settings: Generation = Generation(), device=None) -> np.ndarray:
+    """The toxicity of each prompt's continuation (float64, in the prompts' order), from one generation
+    pass. ``model``: an ``nn.Module`` or a block model; ``device``: where it runs (None: its own)."""
+    continuations = generate_continuations(model, tokenizer, prompts.text.tolist(), settings, device)
     return np.asarray(make_scorer(scorer).score(continuations), dtype=np.float64)
 
 
-def measure_bias(model: nn.Module, tokenizer, prompts: pd.DataFrame, scorer: ToxicityScorer,
+def measure_bias(model, tokenizer, prompts: pd.DataFrame, scorer: ToxicityScorer,
                  settings: Generation = Generation(), subgroup: str = "bucket") -> dict[str, float]:
     """Eq. 1 for every axis of ``prompts``, from one generation pass."""
     return bias_by_axis(prompts, prompt_toxicity(model, tokenizer, prompts, scorer, settings), subgroup)
@@ -62,9 +64,15 @@ def token_ids(tokenizer, text: str | Sequence[str]) -> torch.Tensor:
 
 @dataclass
 class Evaluator:
-    """Perplexity and per-axis bias of the model as it stands (gates included)."""
+    """Perplexity and per-axis bias of the model as it stands (gates included).
 
-    model: nn.Module
+    ``model``: an ``nn.Module`` or a block model (:mod:`fairprune.causal.blocks`): every forward
+    is a pass over its blocks (:mod:`~fairprune.pruning.fasp.passes`), so a streamed model is
+    measured with one block resident, with the figures of the model in memory. ``device``: where
+    it runs (None: a model in memory where it is, a streamed one on its ``device``); ``progress``:
+    bars over a streamed model's blocks, one per pass."""
+
+    model: nn.Module | BlockModel
     tokenizer: object
     prompts: pd.DataFrame
     ppl_ids: torch.Tensor
@@ -74,33 +82,47 @@ class Evaluator:
     ppl_batch_size: int = 4
     subgroup: str = "bucket"
     max_batch: int | None = None  # rows per forward of :meth:`many`; None: from the memory (auto_rows)
+    device: str | torch.device | None = None
+    progress: bool = False
+
+    def __post_init__(self):
+        self.blocks = as_blocks(self.model)
+
+    def _where(self) -> tuple[torch.device, bool]:
+        """The device the passes run on, and whether they show bars."""
+        return torch.device(self.device or self.blocks.run_device()), self.progress and self.blocks.streamed
 
     def __call__(self) -> dict:
-        was_training = self.model.training
-        self.model.eval()
+        blocks, (device, bars) = self.blocks, self._where()
+        if self.ppl_batch_size < 1:
+            raise UserError(f"perplexity batch size must be at least 1, got {self.ppl_batch_size}")
+        was_training = blocks.model.training
+        blocks.model.eval()
         try:
-            nll, count = window_losses(self.model, self.ppl_ids, seqlen=self.seqlen, batch_size=self.ppl_batch_size)
-            toxicity = prompt_toxicity(self.model, self.tokenizer, self.prompts, self.scorer, self.generation)
+            windows = eval_windows(blocks.model, self.ppl_ids, self.seqlen)
+            nll = window_nll(blocks, windows, None, self.ppl_batch_size, self.ppl_batch_size, device, bars)[0]
+            toxicity = prompt_toxicity(blocks, self.tokenizer, self.prompts, self.scorer, self.generation, device)
         finally:
-            self.model.train(was_training)
+            blocks.model.train(was_training)
+        count = torch.full_like(nll, float(windows.shape[1] - 1))
         # The windows' losses and the prompts' toxicities stay with the figures: the report's
         # perplexity and bias intervals resample them.
         return {"perplexity": perplexity_of(nll, count), "bias": bias_by_axis(self.prompts, toxicity, self.subgroup),
                 "windows": (nll.numpy(), count.numpy()), "toxicity": toxicity}
 
-    def many(self, configs: torch.Tensor, reuse: dict | None = None) -> list[dict]:
+    def many(self, configs: torch.Tensor) -> list[dict]:
         """What :meth:`__call__` gives for each head configuration of ``configs`` (``[C, layers, heads]``
-        gates on top of the current ones), many configurations per forward. ``reuse`` (a dict the
-        caller keeps between calls on an unchanged model) carries the prefix states over."""
-        was_training = self.model.training
-        self.model.eval()
+        gates on top of the current ones), many configurations per forward."""
+        blocks, (device, bars) = self.blocks, self._where()
+        was_training = blocks.model.training
+        blocks.model.eval()
         try:
-            ppl = perplexities(self.model, self.ppl_ids, self.seqlen, self.ppl_batch_size, configs,
-                               self.max_batch or auto_rows(self.model, self.seqlen), reuse)
-            texts = generate_configurations(self.model, self.tokenizer, self.prompts.text.tolist(), configs,
-                                            self.generation, self._generation_rows())
+            ppl = perplexities(blocks, self.ppl_ids, self.seqlen, self.ppl_batch_size, configs,
+                               self.max_batch or auto_rows(blocks, self.seqlen, device), device, bars)
+            texts = generate_configurations(blocks, self.tokenizer, self.prompts.text.tolist(), configs,
+                                            self.generation, self._generation_rows(), device, bars)
         finally:
-            self.model.train(was_training)
+            blocks.model.train(was_training)
         scorer = make_scorer(self.scorer)
         return [{"perplexity": p, "bias": bias_by_axis(self.prompts, scorer.score(t), self.subgroup)}
                 for p, t in zip(ppl, texts)]
@@ -110,7 +132,7 @@ class Evaluator:
         return max(1, self._generation_rows() // max(1, len(self.prompts)))
 
     def _generation_rows(self) -> int:
-        return self.max_batch or auto_rows(self.model, 32 + self.generation.max_new_tokens)
+        return self.max_batch or auto_rows(self.blocks, 32 + self.generation.max_new_tokens, self._where()[0])
 
     def fingerprint(self) -> str:
         """What the scores depend on, hashed: a resumed run must not mix two settings."""
@@ -152,11 +174,10 @@ def score_heads(evaluate: Evaluator, path: str | Path, gates: HeadGates | None =
     per_rank = evaluate.configs_per_pass() if many else 1
     rounds = [todo[i : i + per_rank * size] for i in range(0, len(todo), per_rank * size)]
     bar = _progress(progress and rank == 0 and bool(todo), len(todo))
-    reuse: dict = {}
     with gates, (path.open("a", newline="") if rank == 0 else nullcontext()) as handle:
         for chunk in rounds:
             if many:
-                results = across_ranks(chunk, lambda mine: many(_configs(mine, gates.values), reuse), axes)
+                results = across_ranks(chunk, lambda mine: many(_configs(mine, gates.values)), axes)
             else:
                 results = across_ranks(chunk, lambda mine: [_one(evaluate, gates, head) for head in mine], axes)
             if handle is not None:

@@ -11,8 +11,10 @@ import torch
 from torch import nn
 
 from fairprune import distributed
+from fairprune.causal.blocks import BlockModel
 from fairprune.errors import UserError
 from fairprune.pruning import registry
+from fairprune.pruning.fasp.gradient import gradient_importance
 from fairprune.pruning.fasp.scoring import Evaluator, _bias, _heads_only, across_ranks
 from fairprune.pruning.heads import Head, HeadGates, head_weight_norms
 from fairprune.pruning.select import lowest_k
@@ -60,45 +62,15 @@ def _lowest(values: torch.Tensor, k: int) -> list[Head]:
     return [(int(i) // n, int(i) % n) for i in lowest_k(values, k)]
 
 
-def gradient_importance(model: nn.Module, ids: torch.Tensor, seqlen: int, batch_size: int = 4) -> torch.Tensor:
-    """Michel et al. (2019): ``Σ_batches |∂loss/∂gate_h|`` over non-overlapping windows, ``[layers, heads]``."""
-    windows = ids.numel() // seqlen
-    if windows == 0:
-        raise UserError(f"perplexity text has {ids.numel()} tokens, fewer than one window of {seqlen}")
-    device = next(model.parameters()).device
-    gates = HeadGates(model)
-    frozen = {p: p.requires_grad for p in model.parameters()}
-    was_training = model.training
-    model.eval()
-    importance = torch.zeros_like(gates.values)
-    try:
-        # Only the gates need gradients; the weights stay frozen.
-        for p in frozen:
-            p.requires_grad_(False)
-        gates.values.requires_grad_(True)
-        with gates, torch.enable_grad():
-            for batch in ids[: windows * seqlen].view(windows, seqlen).split(batch_size):
-                batch = batch.to(device)
-                loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-                (grad,) = torch.autograd.grad(loss, gates.values)
-                importance += grad.abs()
-    finally:
-        gates.values.requires_grad_(False)
-        for p, flag in frozen.items():
-            p.requires_grad_(flag)
-        model.train(was_training)
-    return importance
-
-
 @dataclass
 class HeadContext:
     """What a head-selection method may use: the ratios, the per-head scores (scored methods),
-    the model, and the perplexity text for gradient importance."""
+    the model (an ``nn.Module`` or a block model), and the perplexity text for gradient importance."""
 
     alpha: float
     gamma: float = 0.0
     scores: pd.DataFrame | None = None
-    model: nn.Module | None = None
+    model: nn.Module | BlockModel | None = None
     axes: Sequence[str] = ()
     ppl_ids: torch.Tensor | None = None
     seqlen: int = 128
@@ -118,7 +90,7 @@ class HeadContext:
         return counts(layers * heads, 0.0, self.alpha)[1]
 
 
-def select_heads(method: str, alpha: float, *, scores: pd.DataFrame | None = None, model: nn.Module | None = None,
+def select_heads(method: str, alpha: float, *, scores: pd.DataFrame | None = None, model: nn.Module | BlockModel | None = None,
                  axes: Sequence[str] = (), gamma: float = 0.0, ppl_ids: torch.Tensor | None = None,
                  seqlen: int = 128, batch_size: int = 4, seed: int = 0) -> Selection:
     """The heads ``method`` removes at ratio ``α`` (FASP or a baseline: the registry's ``heads`` kind)."""
