@@ -105,3 +105,19 @@ def test_the_checker_sees_an_upward_import(tmp_path):
 def test_no_module_over_450_lines():
     long = {module_name(f): n for f in FILES if (n := len(f.read_text().splitlines())) > 450}
     assert not long, f"split these along their sections: {long}"
+
+
+#: Where a causal LM's weights are read and its model is built: the causal-model layer (and the
+#: hub's file readers below it). The pruning layer above holds the solvers, statistics and
+#: selection, and reaches a model only through the block-model interface (causal.blocks.BlockModel).
+MODEL_ACCESS = ("fairprune.hub.shards", "fairprune.hub.quantized_stream")
+
+
+def test_the_causal_layer_is_the_floor_of_model_access():
+    """The ``causal`` package sits right above ``hub`` and below every layer that prunes or
+    measures; no module of ``pruning`` or ``metrics`` reads model files or builds a causal model."""
+    assert RANK["hub"] < RANK["causal"] < min(RANK["reporting"], RANK["metrics"], RANK["pruning"])
+    readers = {name for name in MODULES if top(name) in ("pruning", "metrics")
+               and (GRAPH[name] & set(MODEL_ACCESS) or "AutoModelForCausalLM" in MODULES[name].read_text())}
+    assert not readers, f"model access belongs in fairprune.causal: {sorted(readers)}"
+    assert {top(d) for d in GRAPH["fairprune.causal.streamed"]} >= {"hub"}  # the layer that reads them is causal
