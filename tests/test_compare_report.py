@@ -157,9 +157,10 @@ def test_the_compare_command_prints_the_headline_in_100_columns_without_library_
 
 
 def test_one_seed_keeps_the_single_run_layout(dense_ckpt, tmp_path, one_thread):
+    from fairprune.workflows.options import VisionCompareOptions
     from fairprune.workflows.vision import compare_vision
 
-    table = compare_vision(str(dense_ckpt), ["magnitude"], [0.5], ONE_STEP, str(tmp_path), FAST, seeds=[3])
+    table = compare_vision(str(dense_ckpt), VisionCompareOptions(["magnitude"], [0.5], ONE_STEP, FAST, seeds=[3]), str(tmp_path))
     assert list(table["method"]) == ["dense", "dense +1 epochs", "magnitude"]
     assert "accuracy" in table and "n" not in table and "seed" not in table
     assert (tmp_path / "magnitude_s0.5" / "report.json").is_file() and not list(tmp_path.glob("seed*"))

@@ -321,6 +321,7 @@ def test_a_compare_run_again_reuses_finished_cells_and_resumes_the_cut_one(dense
     cell (its files untouched), resumes the cut one from its last checkpoint and writes the whole
     table; with other settings every cell runs again from the start."""
     from fairprune.reporting.records import VisionRow
+    from fairprune.workflows.options import VisionCompareOptions
     from fairprune.workflows.vision import compare_vision
 
     pruning = {"keep_per_iter": 0.5, "bn_recalibration": 2}  # 80 %: 3 steps, epochs 0-2
@@ -333,7 +334,7 @@ def test_a_compare_run_again_reuses_finished_cells_and_resumes_the_cut_one(dense
 
     monkeypatch.setattr(IterativePruning, "on_train_epoch_start", killed)
     with pytest.raises(RuntimeError, match="killed"):
-        compare_vision(str(dense_ckpt), ["magnitude", "fairgrape"], [0.8], pruning, str(tmp_path), FAST)
+        compare_vision(str(dense_ckpt), VisionCompareOptions(["magnitude", "fairgrape"], [0.8], pruning, FAST), str(tmp_path))
     monkeypatch.setattr(IterativePruning, "on_train_epoch_start", original)
     finished, cut = tmp_path / "magnitude_s0.8", tmp_path / "fairgrape_s0.8"
     assert json.loads((finished / "report.json").read_text())["split"] == "test"
@@ -342,7 +343,7 @@ def test_a_compare_run_again_reuses_finished_cells_and_resumes_the_cut_one(dense
     kept = {f: f.stat().st_mtime_ns for f in finished.rglob("*") if f.is_file()}
     capsys.readouterr()
 
-    table = compare_vision(str(dense_ckpt), ["magnitude", "fairgrape"], [0.8], pruning, str(tmp_path), FAST)
+    table = compare_vision(str(dense_ckpt), VisionCompareOptions(["magnitude", "fairgrape"], [0.8], pruning, FAST), str(tmp_path))
     printed = capsys.readouterr().out
     assert "finished earlier with the same settings, reusing" in printed and "resuming from" in printed
     assert {f: f.stat().st_mtime_ns for f in finished.rglob("*") if f.is_file()} == kept
@@ -355,7 +356,8 @@ def test_a_compare_run_again_reuses_finished_cells_and_resumes_the_cut_one(dense
     assert table.set_index("method").loc["magnitude", "accuracy"] == pytest.approx(reused.accuracy)
     assert (tmp_path / "group_shares.png").is_file() and (tmp_path / "report.html").is_file()
 
-    compare_vision(str(dense_ckpt), ["magnitude", "fairgrape"], [0.8], {**pruning, "bn_recalibration": 3}, str(tmp_path), FAST)
+    compare_vision(str(dense_ckpt), VisionCompareOptions(["magnitude", "fairgrape"], [0.8], {**pruning, "bn_recalibration": 3},
+                                                         FAST), str(tmp_path))
     printed = capsys.readouterr().out
     assert "reusing" not in printed and "resuming" not in printed
     assert json.loads((cut / "report.json").read_text())["bn_recalibration"]["batches"] == 3
@@ -365,11 +367,11 @@ def test_a_compare_run_again_reuses_finished_cells_and_resumes_the_cut_one(dense
     moved = tmp_path / "dense.ckpt"
     state = torch.load(dense_ckpt, map_location="cpu", weights_only=False)
     torch.save(state, moved)
-    compare_vision(str(moved), ["magnitude"], [0.8], pruning, str(tmp_path / "again"), FAST)
+    compare_vision(str(moved), VisionCompareOptions(["magnitude"], [0.8], pruning, FAST), str(tmp_path / "again"))
     state["state_dict"] = {k: v + 0.01 if v.is_floating_point() else v for k, v in state["state_dict"].items()}
     torch.save(state, moved)
     capsys.readouterr()
-    compare_vision(str(moved), ["magnitude"], [0.8], pruning, str(tmp_path / "again"), FAST)
+    compare_vision(str(moved), VisionCompareOptions(["magnitude"], [0.8], pruning, FAST), str(tmp_path / "again"))
     assert "reusing" not in capsys.readouterr().out
 
 

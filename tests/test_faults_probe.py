@@ -112,6 +112,7 @@ CRAFTED = {
 
 
 def _compare(tmp_path, crafted, remeasure):
+    from fairprune.workflows.options import VisionCompareOptions
     from fairprune.workflows.paired import compare_statistics
 
     good = _items()
@@ -120,8 +121,8 @@ def _compare(tmp_path, crafted, remeasure):
                "snip_s0.5": [_cell(tmp_path, "snip_s0.5", **_items(seed=1))]}
     reports = {name: [_report()] for name in folders}
     notes: list[str] = []
-    _, paired = compare_statistics(reports, folders, [_report()], ["magnitude", "fairgrape", "snip"], [0.5], "magnitude",
-                                   [], remeasure=remeasure, notes=notes)
+    compare = VisionCompareOptions(["magnitude", "fairgrape", "snip"], [0.5], baseline="magnitude")
+    paired = compare_statistics(reports, folders, [_report()], compare, [], remeasure=remeasure, notes=notes).paired
     return {row["method"] for row, _ in paired}, notes
 
 

@@ -88,19 +88,21 @@ def test_quiet_and_a_moved_folder_reuse_a_finished_vision_compare(dense_ckpt, tm
     an earlier compare are reused, their files untouched."""
     import shutil
 
+    from fairprune.workflows.options import VisionCompareOptions
     from fairprune.workflows.vision import compare_vision
 
     fast = {"max_epochs": 2, "limit_train_batches": 2, "limit_val_batches": 1, "limit_test_batches": 2,
             "accelerator": "cpu"}
     pruning = {"keep_per_iter": 0.5, "bn_recalibration": 2}
     first = tmp_path / "first"
-    compare_vision(str(dense_ckpt), ["magnitude"], [0.5], pruning, str(first), fast)
+    compare_vision(str(dense_ckpt), VisionCompareOptions(["magnitude"], [0.5], pruning, fast), str(first))
     capsys.readouterr()
     moved = tmp_path / "moved"
     shutil.move(first, moved)
     cell = moved / "magnitude_s0.5"
     kept = {f: f.stat().st_mtime_ns for f in cell.rglob("*") if f.is_file()}
-    compare_vision(str(dense_ckpt), ["magnitude"], [0.5], pruning, str(moved), {**fast, "enable_progress_bar": False})
+    quiet = {**fast, "enable_progress_bar": False}
+    compare_vision(str(dense_ckpt), VisionCompareOptions(["magnitude"], [0.5], pruning, quiet), str(moved))
     assert "finished earlier with the same settings, reusing" in capsys.readouterr().out
     assert {f: f.stat().st_mtime_ns for f in cell.rglob("*") if f.is_file()} == kept
     assert json.loads((cell / "report.json").read_text())["split"] == "test"

@@ -16,7 +16,7 @@ import pandas as pd
 import pytest
 
 from fairprune.reporting.card_lm import LMCard
-from fairprune.reporting.compare import write_comparison
+from fairprune.reporting.compare import Statistics, write_comparison
 from fairprune.reporting.dto import dto
 from fairprune.reporting.headline import CHANCE_MARK, INVALID_MARK, headline
 from fairprune.reporting.model_card import model_card
@@ -123,7 +123,7 @@ def test_the_printed_headline_strikes_out_invalid_figures_and_shows_chance_level
 
 def test_the_page_and_the_comparison_files_carry_the_marks(tmp_path):
     rows, used = _with_dto(_rows())
-    write_comparison(rows, tmp_path, {"dto": used}, echo=False, baseline="sparsegpt")
+    write_comparison(rows, tmp_path, {"dto": used}, echo=False, statistics=Statistics(baseline="sparsegpt"))
     page = (tmp_path / "report.html").read_text()
     struck = re.findall(r'<s class="invalid" title="([^"]*)">([^<]*)</s> ✗', page)
     assert ("accuracy_amb at chance (0.333 ≤ 0.333, 95% CI [0.194, 0.472] includes it): uniform answers do as well",
@@ -168,7 +168,7 @@ def test_the_lm_guide_shows_the_table_demo_lm_printed(tmp_path, capsys):
     from fairprune.reporting.marked_block import marked_block
 
     rows, used = _with_dto(_rows())
-    write_comparison(rows, tmp_path, {"dto": used}, baseline="sparsegpt", title="demo")
+    write_comparison(rows, tmp_path, {"dto": used}, statistics=Statistics(baseline="sparsegpt"), title="demo")
     printed = capsys.readouterr().out
     page = lm_table([tmp_path])
     lines = page.splitlines()

@@ -106,6 +106,7 @@ def test_compare_is_refused_by_a_dense_folder_another_run_holds(dense_ckpt, tmp_
 def test_a_run_into_a_cell_of_a_running_compare_is_refused(dense_ckpt, tmp_path, monkeypatch, capsys):
     """While compare runs its first cell, ``prune.py vision`` into its second cell is refused at once."""
     from fairprune.workflows import vision
+    from fairprune.workflows.options import VisionCompareOptions
 
     out, real, statuses = tmp_path / "out", vision._prune, []
 
@@ -119,7 +120,7 @@ def test_a_run_into_a_cell_of_a_running_compare_is_refused(dense_ckpt, tmp_path,
 
     monkeypatch.setattr(vision, "_prune", first_cell)
     with pytest.raises(RuntimeError, match="stop here"):
-        vision.compare_vision(str(dense_ckpt), ["magnitude", "fairgrape"], [0.5], {}, str(out), FAST)
+        vision.compare_vision(str(dense_ckpt), VisionCompareOptions(["magnitude", "fairgrape"], [0.5], {}, FAST), str(out))
     assert statuses[1] == 2
     err = last_error(capsys)
     assert "in use by another run" in err and str(out / "fairgrape_s0.5") in err

@@ -19,7 +19,7 @@ import pandas as pd
 import pytest
 
 from fairprune.reporting import plots
-from fairprune.reporting.compare import write_comparison
+from fairprune.reporting.compare import Statistics, write_comparison
 
 matplotlib.use("Agg")
 
@@ -110,7 +110,7 @@ def test_vision_report_reads_at_1280_px(tmp_path, seeds):
              "data": {"skipped": SKIPPED, "samples": {"train": 8000, "val": 1000, "test": 1000}},
              "seconds": {"total": 3600.5}}
     write_comparison(rows, tmp_path, extra, keys=["method", "target_sparsity"], title="Vision <comparison>",
-                     intervals=intervals, paired=paired, baseline="magnitude", echo=False)
+                     statistics=Statistics(intervals, paired, "magnitude"), echo=False)
     seen = browse(tmp_path / "report.html", tmp_path)
 
     assert seen["width"] == 1280 and seen["page_fits"]
@@ -184,7 +184,7 @@ def test_demo_report_shows_the_paired_difference_without_scrolling_at_1280_px(tm
     extra = {"runs": {"magnitude_s0.8": "/runs/demo/compare/magnitude_s0.8"}, "seeds": [0], "reference": "continued",
              "seconds": {"total": 190.0}}
     write_comparison(rows, tmp_path, extra, keys=keys, title="Vision pruning comparison (magnitude, fairgrape)",
-                     intervals=intervals, paired=paired, baseline="magnitude", echo=False)
+                     statistics=Statistics(intervals, paired, "magnitude"), echo=False)
     seen = browse(tmp_path / "report.html", tmp_path)
 
     assert seen["page_fits"]

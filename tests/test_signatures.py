@@ -35,9 +35,6 @@ EXCEPTIONS = {
 #: Signatures still over the limit that this change did not reduce (issue #40.5), each with what
 #: holds it back; remove an entry when its function is reduced.
 PENDING = {
-    "workflows/vision.py:compare_vision": "its arguments become one comparison object with the one compare loop (issue #40.4)",
-    "reporting/compare.py:write_comparison": "the one compare loop (issue #40.4) passes one comparison object",
-    "workflows/paired.py:compare_statistics": "the one compare loop (issue #40.4) passes one comparison object",
 }
 
 

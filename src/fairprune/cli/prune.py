@@ -29,7 +29,7 @@ from fairprune.errors import UserError, suggest
 from fairprune.pruning import registry
 from fairprune.pruning.options import HeadOptions, LMOptions, SolverOptions
 from fairprune.pruning.sparsity import Sparsity
-from fairprune.workflows.options import DataOptions, MachineOptions, TrainerOptions
+from fairprune.workflows.options import DataOptions, MachineOptions, TrainerOptions, VisionCompareOptions
 
 
 class Command(NamedTuple):
@@ -109,9 +109,9 @@ def compare(methods: list[str], output: str = "runs/compare", ckpt: str | None =
         from fairprune.workflows.vision import compare_vision
 
         fractions = [Sparsity.parse(s, what="vision sparsity", nm=False).fraction for s in sparsities]
-        return compare_vision(ckpt, methods, fractions, dict(pruning), output, dict(trainer),
-                              dict(data), seed, seeds=seeds, dense_per_seed=dense_per_seed, reference=reference,
-                              baseline=baseline, granularities=granularities, deploy=deploy)
+        return compare_vision(ckpt, VisionCompareOptions(methods, fractions, dict(pruning), dict(trainer), dict(data), seed,
+                                                         seeds, dense_per_seed, reference, baseline, granularities, deploy),
+                              output)
     if granularities:
         raise UserError("--granularities is for vision compares (--ckpt); an LM compare prunes weights, N:M patterns "
                         "or heads")

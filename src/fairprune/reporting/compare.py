@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -152,11 +153,19 @@ def add_paired(table: pd.DataFrame, shown: pd.DataFrame, paired: Sequence[tuple[
     return table, shown
 
 
+@dataclass(frozen=True)
+class Statistics:
+    """Each row's ``intervals`` and ``paired`` difference against ``baseline`` (:func:`add_intervals`, :func:`add_paired`)."""
+
+    intervals: Sequence[tuple[dict[str, Any], dict[str, Any]]] = ()
+    paired: Sequence[tuple[dict[str, Any], dict[str, Any]]] = ()
+    baseline: str = ""
+
+
 def write_comparison(rows: Sequence[Row | dict[str, Any]], output: str | os.PathLike, extra: dict[str, Any] | None = None,
                      index: str = "method", echo: bool = True, keys: Sequence[str] | None = None,
                      figures: Sequence[tuple[str | os.PathLike, str]] = (), title: str = "comparison",
-                     intervals: Sequence[tuple[dict[str, Any], dict[str, Any]]] = (),
-                     paired: Sequence[tuple[dict[str, Any], dict[str, Any]]] = (), baseline: str = "") -> pd.DataFrame:
+                     statistics: Statistics = Statistics()) -> pd.DataFrame:
     """Write the comparison of ``rows`` (records of :mod:`~fairprune.reporting.records`, or plain
     dicts) into ``output`` and return its table; ``echo`` prints it.
 
@@ -165,8 +174,8 @@ def write_comparison(rows: Sequence[Row | dict[str, Any]], output: str | os.Path
     ``n``, ``<figure>_mean`` and ``<figure>_sd`` columns, ``comparison_runs.csv`` every run, and
     the markdown / HTML tables show ``mean ± sd``. Otherwise the table is the rows themselves.
 
-    ``intervals``: bootstrap intervals per row (:func:`add_intervals`), pooled over seeds for
-    repeated runs; ``paired``: each row's difference against ``baseline`` on the same test items
+    ``statistics``: bootstrap intervals per row (:func:`add_intervals`), pooled over seeds for
+    repeated runs, and each row's difference against its baseline on the same test items
     (:func:`add_paired`). ``figures`` (``(png path, caption)`` pairs, e.g. the vision compare's plots) are embedded in
     ``report.html`` with the table. ``report.json`` holds ``{"comparison": rows, "threads": torch's
     CPU threads, "environment": library versions and machine, **extra}`` (and
@@ -185,10 +194,8 @@ def write_comparison(rows: Sequence[Row | dict[str, Any]], output: str | os.Path
         write_csv(out / "comparison_runs.csv", raw, index=False)
     else:
         table = shown = raw
-    if intervals:
-        table, shown = add_intervals(table, shown, intervals)
-    if paired:
-        table, shown = add_paired(table, shown, paired, baseline)
+    table, shown = add_intervals(table, shown, statistics.intervals)
+    table, shown = add_paired(table, shown, statistics.paired, statistics.baseline)
     write_csv(out / "comparison.csv", table, index=False)
     text = markdown(shown.set_index(index)) if index in shown.columns else markdown(shown)
     write_text(out / "comparison.md", text + "\n")
@@ -210,8 +217,8 @@ def write_comparison(rows: Sequence[Row | dict[str, Any]], output: str | os.Path
     curve = plot_sparsity_curve(table, out / "accuracy_sparsity.png", index=index)  # several sparsities: first
     if curve is not None:
         plots.insert(0, (curve, "The trade-off curve: accuracy and worst-group accuracy against sparsity per method"
-                                + (" (±1 sd over seeds)" if repeated and not intervals else " with 95% intervals")))
-    write_html(out / "report.html", title, shown, plots, extra, numeric=table, baseline=baseline, index=index)
+                                + (" (±1 sd over seeds)" if repeated and not statistics.intervals else " with 95% intervals")))
+    write_html(out / "report.html", title, shown, plots, extra, numeric=table, baseline=statistics.baseline, index=index)
     import torch  # loaded already by every compare: each comparison says how many CPU threads it ran with
 
     payload = {"comparison": rows, "threads": torch.get_num_threads(), "environment": environment(), **(extra or {})}
@@ -220,7 +227,7 @@ def write_comparison(rows: Sequence[Row | dict[str, Any]], output: str | os.Path
     write_json(out / "report.json", payload)
     if echo:  # the headline columns; every column is in comparison.md / .csv
         print(flush=True)
-        print_headline(headline(table, baseline, index), title,
+        print_headline(headline(table, statistics.baseline, index), title,
                        f"The full table ({len(shown.columns)} columns): {out}/comparison.md.")
         print(f"[compare] written to {out}/comparison.csv, comparison.md, report.html and report.json", flush=True)
     return table

@@ -33,11 +33,12 @@ from fairprune.pruning import registry
 from fairprune.pruning.lm_run import lm_tasks
 from fairprune.pruning.options import HeadOptions, LMOptions
 from fairprune.pruning.tasks import attach, task_specs
-from fairprune.reporting.compare import write_comparison
+from fairprune.reporting.compare import Statistics
 from fairprune.reporting.records import HeadRow
 from fairprune.reporting.runs import JOURNAL, RUN_FILES, write_head_files, write_head_run
 from fairprune.storage.folders import check_free_space, replace_folder
 from fairprune.storage.lock import locked
+from fairprune.workflows.compare import Cell, Written, compare_folders, run_compare
 from fairprune.workflows.launch import torchrun
 from fairprune.workflows.opened import open_blocks, stream_choice
 from fairprune.workflows.options import MachineOptions, model_folder
@@ -147,11 +148,6 @@ def fasp(lm: LMOptions, output: str, method: str = "fasp", heads: HeadOptions = 
     return report
 
 
-def _cell(method: str, alpha: float) -> str:
-    """The folder of one head-pruning compare run: ``fasp_a0.1``."""
-    return f"{method}_a{alpha:g}"
-
-
 def _bias_text(report: dict[str, Any]) -> str:
     """``bias <axis> 0.210 → 0.150 [0.090, 0.200] (Δ −0.060 [−0.110, −0.010] *)`` per axis: dense →
     pruned with the pruned model's 95 % interval over prompts and the paired difference."""
@@ -170,14 +166,25 @@ def _bias_text(report: dict[str, Any]) -> str:
     return "; ".join(parts) or "no bias measured"
 
 
-def _compare_folders(output: str, methods: list[str], alphas: list[float], **_: Any) -> list[Path]:
-    """Every folder :func:`compare_heads` writes, its output first, named as its loop names them:
-    all are locked before the model loads, so a run into one of them is refused while compare runs."""
-    return [Path(output)] + [Path(output) / _cell(method, alpha) for method in methods for alpha in alphas]
+def _cells(output: str, methods: list[str], alphas: list[float], **_: Any) -> list[Cell]:
+    """The runs of a head-pruning compare, in order: one folder each, ``fasp_a0.1``."""
+    return [Cell(Path(output) / f"{m}_a{a:g}", (m, a)) for m in methods for a in alphas]
+
+
+def _heads_comparison(done: list[tuple[Cell, dict[str, Any]]], start: float) -> Written:
+    """Each run's row, the dense model's from the first run's reference; the intervals and the
+    paired differences against the dense model each run's report holds (perplexity over windows)."""
+    rows = [HeadRow.dense(report) for _, report in done[:1]]
+    rows += [HeadRow.from_report(report, *cell.key, registry.get(cell.key[0], "heads").protects) for cell, report in done]
+    intervals = [({"method": "dense"}, report["reference"].get("ci") or {}) for _, report in done[:1]]
+    intervals += [(dict(zip(("method", "alpha"), cell.key)), report.get("ci") or {}) for cell, report in done]
+    paired = [(dict(zip(("method", "alpha"), cell.key)), report.get("paired") or {}) for cell, report in done]
+    return Written(rows, {"seconds": {"total": time.perf_counter() - start}}, "Attention-head pruning comparison",
+                   Statistics(intervals, paired, "dense"))
 
 
 @torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
-@locked(_compare_folders, reads=model_folder)
+@locked(lambda output, **args: compare_folders(output, _cells(output, **args)), reads=model_folder)
 def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output: str,
                   heads: HeadOptions = HeadOptions(), machine: MachineOptions = MachineOptions()) -> pd.DataFrame:
     """FASP and its baselines at several α from one model: heads are scored once (the first run
@@ -186,38 +193,27 @@ def compare_heads(lm: LMOptions, methods: list[str], alphas: list[float], output
     opened once and every run reads it from its folder; in memory each run loads it afresh (it
     loses its heads in place)."""
     machine.apply()
-    entries = {method: registry.get(method, "heads") for method in methods}
+    for method in methods:
+        registry.get(method, "heads")
     for alpha in alphas:
         if not 0.0 <= alpha <= 1.0:
             raise UserError(f"--alphas must be in [0, 1], got {alpha}")
-    specs = task_specs(lm)
-    tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
+    specs, tokenizer = task_specs(lm), load_tokenizer(lm.model, lm.trust_remote_code)
+    scored: list[Path] = []  # the first run's folder with the heads' scores
     together = _Shared(stream_choice(lm))  # streamed: the model opened once; the dense figures measured once
-    out, shared = Path(output), None
-    rows: list[HeadRow] = []
-    intervals: list[tuple[dict[str, Any], dict[str, Any]]] = []
-    paired: list[tuple[dict[str, Any], dict[str, Any]]] = []
+
+    def run(cell: Cell, resume: str | None) -> dict[str, Any]:
+        (method, alpha), folder = cell.key, cell.folder
+        if distributed.is_main():
+            folder.mkdir(parents=True, exist_ok=True)
+            if scored and not (folder / "head_scores.csv").exists():
+                for name in ("head_scores.csv", "head_scores.json"):
+                    shutil.copy(scored[0] / name, folder / name)
+        report = _prune_heads(lm, tokenizer, method, heads, alpha, folder, machine, specs, together)
+        if (folder / "head_scores.csv").exists() and not scored:
+            scored.append(folder)
+        return report
+
     start = time.perf_counter()
-    for method in methods:
-        for alpha in alphas:
-            run = out / _cell(method, alpha)
-            if distributed.is_main():
-                run.mkdir(parents=True, exist_ok=True)
-                if shared is not None and not (run / "head_scores.csv").exists():
-                    for name in ("head_scores.csv", "head_scores.json"):
-                        shutil.copy(shared / name, run / name)
-                print(f"[compare] {run.name} ...", flush=True)
-            report = _prune_heads(lm, tokenizer, method, heads, alpha, run, machine, specs, together)
-            if (run / "head_scores.csv").exists() and shared is None:
-                shared = run
-            if not rows:
-                rows.append(HeadRow.dense(report))
-                intervals.append(({"method": "dense"}, report["reference"].get("ci") or {}))
-            rows.append(HeadRow.from_report(report, method, alpha, entries[method].protects))
-            intervals.append(({"method": method, "alpha": alpha}, report.get("ci") or {}))
-            paired.append(({"method": method, "alpha": alpha}, report.get("paired") or {}))
-    if not distributed.is_main():
-        return pd.DataFrame([row.as_dict() for row in rows])
-    # Perplexity intervals over windows on every row, each run against the dense model on the same windows.
-    return write_comparison(rows, out, {"seconds": {"total": time.perf_counter() - start}}, intervals=intervals,
-                            paired=paired, baseline="dense", title="Attention-head pruning comparison")
+    return run_compare(output, _cells(output, methods, alphas), run, lambda done: _heads_comparison(done, start),
+                       talk=distributed.is_main())

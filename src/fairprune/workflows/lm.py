@@ -48,10 +48,11 @@ from fairprune.pruning.lm_run import Clock, dense_of, memory_facts, prune_run
 from fairprune.pruning.options import LMOptions, SolverOptions
 from fairprune.pruning.sparsity import Sparsity
 from fairprune.pruning.tasks import attach, task_specs
-from fairprune.reporting.compare import write_comparison
+from fairprune.reporting.compare import Statistics
 from fairprune.reporting.records import LMRow
 from fairprune.storage.folders import check_free_space
 from fairprune.storage.lock import locked
+from fairprune.workflows.compare import Cell, Written, compare_folders, run_compare
 from fairprune.workflows.launch import torchrun as _torchrun
 from fairprune.workflows.opened import open_blocks, stream_choice
 from fairprune.workflows.options import MachineOptions, model_folder
@@ -150,37 +151,23 @@ def evaluate_lm(lm: LMOptions, output: str | None = None, machine: MachineOption
     return finish_evaluation(report, figures, output, lm.model)
 
 
-def _cell(method: str, sparsity: Sparsity) -> str:
-    """The folder of one LM compare run: ``sparsegpt_0.5``, ``wanda_2of4``."""
-    return f"{method}_{sparsity.label}"
-
-
-def _runs(methods: list[str], sparsities: list[Sparsity], quantize: str = "none",
-          quantized: list[str] | None = None) -> list[tuple[str, str, Sparsity, str, str]]:
-    """The runs of an LM compare, in order: ``(row label, method, sparsity, folder, quantize)``;
-    with ``--quantize`` each method of ``quantized`` (default: every one) and sparsity twice, pruned
-    (``sparsegpt``, ``sparsegpt_0.5``) then pruned and quantized (``sparsegpt + w4a16``,
-    ``sparsegpt_0.5_w4a16``)."""
+def _cells(output: str, methods: list[str], sparsities: list[str | float | Sparsity], lm: LMOptions | None = None,
+           **_: Any) -> list[Cell]:
+    """The runs of an LM compare, in order, keyed ``(row label, method, sparsity, quantize)``; with
+    ``--quantize`` each method of ``--quantize_methods`` (default: all) and sparsity twice, pruned
+    (``sparsegpt_0.5``) then pruned and quantized (``sparsegpt + w4a16``, ``sparsegpt_0.5_w4a16``)."""
+    quantize, quantized = (lm.quantize, lm.quantize_methods) if lm is not None else ("none", None)
     found = []
     for method in methods:
-        for s in sparsities:
-            found.append((method, method, s, _cell(method, s), "none"))
+        for s in map(Sparsity.parse, sparsities):
+            found.append(Cell(Path(output) / f"{method}_{s.label}", (method, method, s, "none")))
             if quantize != "none" and (quantized is None or method in quantized):
-                found.append((f"{method} + {quantize}", method, s, f"{_cell(method, s)}_{quantize}", quantize))
+                found.append(Cell(Path(output) / f"{method}_{s.label}_{quantize}", (f"{method} + {quantize}", method, s, quantize)))
     return found
 
 
-def _compare_folders(output: str, methods: list[str], sparsities: list[str | float | Sparsity], lm: LMOptions | None = None,
-                     **_: Any) -> list[Path]:
-    """Every folder :func:`compare_lm` writes, its output first, named as its loop names them: all
-    are locked before the model loads, so a run into one of them is refused while compare runs."""
-    parsed = [Sparsity.parse(s) for s in sparsities]
-    quantize, quantized = (lm.quantize, lm.quantize_methods) if lm is not None else ("none", None)
-    return [Path(output)] + [Path(output) / folder for _, _, _, folder, _ in _runs(methods, parsed, quantize, quantized)]
-
-
 @_torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
-@locked(_compare_folders, reads=model_folder)
+@locked(lambda output, **args: compare_folders(output, _cells(output, **args)), reads=model_folder)
 def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float | Sparsity], output: str,
                solver: SolverOptions = SolverOptions(), machine: MachineOptions = MachineOptions(),
                baseline: str | None = None) -> Table:
@@ -194,7 +181,6 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     ``sparsegpt_0.5_w4a16``: the model pruned again the same way, then quantized and measured as
     loaded back), paired against the same baseline: with the method itself as the baseline, its
     quantized row's difference is what quantization cost on top of pruning."""
-    import pandas as pd
     start = time.perf_counter()
     machine.apply()
     for method in methods:
@@ -213,91 +199,73 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     for s in sparsities:  # every N:M pattern must fit the layer widths before the first run
         check_pattern_fits(blocks.model, s)
     _check_quantize(blocks, lm)
-    runs = _runs(methods, sparsities, lm.quantize, lm.quantize_methods)
-    check_free_space(output, blocks.saved_bytes(tokenizer) * len(runs))
+    cells = _cells(output, methods, sparsities, lm)
+    check_free_space(output, blocks.saved_bytes(tokenizer) * len(cells))
     load_seconds = time.perf_counter() - start
     measuring = dense_of(blocks, tokenizer, texts, lm, machine.progress, specs)
     ids, dense = measuring.ids, measuring.dense
     dense_zeros = zero_fraction(blocks)
-    rows = [LMRow.dense(dense.all_metrics(), dense_zeros, dense.seconds, blocks.weight_bytes(),
-                        validity=None if dense.tasks is None else dense.tasks.validity())]
-    for label, method, s, name, quantize in runs:
-        if distributed.is_main() and machine.progress:
-            print(f"[compare] {name} ...", flush=True)
+    dense_row = LMRow.dense(dense.all_metrics(), dense_zeros, dense.seconds, blocks.weight_bytes(),
+                            validity=None if dense.tasks is None else dense.tasks.validity())
+    opened, blocks = [blocks], None  # the model the dense figures came from: the first run prunes it (in memory: in place)
+
+    def run(cell: Cell, resume: str | None) -> dict[str, Any]:
+        nonlocal load_seconds
+        _, method, s, quantize = cell.key
         tick = time.perf_counter()
-        if blocks is None:  # the first run prunes the model the dense figures came from (in memory: in place)
-            blocks = open_blocks(lm, stream)
+        if not opened:  # each later run opens the model again
+            opened.append(open_blocks(lm, stream))
             load_seconds = time.perf_counter() - tick
         run_lm = replace(lm, quantize=quantize, quantize_methods=None)
         config = _config(run_lm, machine, method=method, sparsity=str(s), **asdict(solver))
-        report = prune_run(blocks, method, s, Path(output) / name, measuring, run_lm, solver, config,
-                           Clock(load_seconds, peak_rss_bytes(), shared_dense=True), machine.progress)
-        blocks = None
-        if distributed.is_main():
-            rows.append(LMRow.from_report(report, label, str(s)))
-    if not distributed.is_main():
-        return pd.DataFrame()
-    extra = {"evaluation": evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer), "stream": stream}
-    return _write_lm_comparison(rows, output, extra, runs, baseline, dense, dense_zeros,
-                                start, "Language-model pruning comparison" + (" (streamed)" if stream else ""))
+        return prune_run(opened.pop(), method, s, cell.folder, measuring, run_lm, solver, config,
+                         Clock(load_seconds, peak_rss_bytes(), shared_dense=True), machine.progress)
+
+    def finish(done: list[tuple[Cell, dict[str, Any]]]) -> Written:
+        """The dense model as the reference, intervals and paired differences from the items, DTO."""
+        reference = {"method": "dense", "metrics": dense.all_metrics(), "from_cache": dense.from_cache,
+                     "dense_zero_fraction": dense_zeros, "seconds": dense.seconds}
+        extra = {"reference": reference,
+                 "evaluation": evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer), "stream": stream,
+                 "threads": torch.get_num_threads(), "seconds": {"total": time.perf_counter() - start}, "baseline": baseline}
+        if dense.tasks is not None:
+            reference["tasks"] = dense.tasks.figures
+            extra["tasks"] = dense.tasks.facts
+        rows, dto_facts = _with_dto([dense_row, *(LMRow.from_report(report, cell.key[0], str(cell.key[2]))
+                                                  for cell, report in done)])
+        if dto_facts is not None:
+            extra["dto"] = dto_facts
+        return Written(rows, extra, "Language-model pruning comparison" + (" (streamed)" if stream else ""),
+                       _lm_statistics(cells, baseline, dense))
+
+    return run_compare(output, cells, run, finish, talk=distributed.is_main() and machine.progress)
 
 
-def _write_lm_comparison(rows: list[LMRow], output: str, extra: dict[str, Any], runs: list[tuple],
-                         baseline: str, dense: DenseFigures, dense_zeros: float, start: float, title: str) -> Table:
-    """An LM compare's table and report: the dense model as the
-    reference, every row's intervals and paired differences from the run folders' items, DTO
-    when the rows hold its figures."""
-    reference = {"method": "dense", "metrics": dense.all_metrics(), "from_cache": dense.from_cache,
-                 "dense_zero_fraction": dense_zeros, "seconds": dense.seconds}
-    extra = {"reference": reference, **extra, "threads": torch.get_num_threads(),
-             "seconds": {"total": time.perf_counter() - start}, "baseline": baseline}
-    if dense.tasks is not None:
-        reference["tasks"] = dense.tasks.figures
-        extra["tasks"] = dense.tasks.facts
-    intervals, paired = _lm_statistics(Path(output), runs, baseline, dense)
-    rows, dto_facts = _with_dto(rows)
-    if dto_facts is not None:
-        extra["dto"] = dto_facts
-    return write_comparison(rows, output, extra, intervals=intervals, paired=paired, baseline=baseline, title=title)
-
-
-def _lm_statistics(output: Path, runs: list[tuple], baseline: str, dense: DenseFigures) -> tuple[list, list]:
+def _lm_statistics(cells: list[Cell], baseline: str, dense: DenseFigures) -> Statistics:
     """Every row's intervals and each run's paired difference against ``baseline`` at its
     sparsity, from the items each run folder holds (``eval_items.npz``, ``task_items.json``) and
-    the dense model's (``runs``: :func:`_runs`)."""
-    cells = [(label, str(s)) for label, _, s, _, _ in runs]
-    folders = {(label, str(s)): output / folder for label, _, s, folder, _ in runs}
-    items = {cell: LMItems.load(folders[cell]) for cell in cells}
-    tasks = {cell: TaskItems.load(folders[cell]) for cell in cells}
-    dense_tasks = None if dense.tasks is None else dense.tasks.items
-
-    def intervals_of(found: LMItems | None, task_items: TaskItems | None) -> dict[str, Any]:
-        return {**(lm_intervals(found) if found is not None else {}),
-                **(task_intervals(task_items) if task_items is not None else {})}
-
-    intervals = [({"method": m, "sparsity": s}, intervals_of(items[m, s], tasks[m, s])) for m, s in cells]
-    intervals.append(({"method": "dense", "sparsity": "0"}, intervals_of(dense.items, dense_tasks)))
+    the dense model's."""
+    found = {(cell.key[0], str(cell.key[2])): (LMItems.load(cell.folder), TaskItems.load(cell.folder)) for cell in cells}
+    found["dense", "0"] = dense.items, None if dense.tasks is None else dense.tasks.items
+    intervals = [({"method": m, "sparsity": s}, {**(lm_intervals(items) if items is not None else {}),
+                                                 **(task_intervals(tasks) if tasks is not None else {})})
+                 for (m, s), (items, tasks) in found.items()]
     paired = []
-    for m, s in cells:
-        if m == baseline:
+    for (m, s), (items, tasks) in found.items():
+        if m in (baseline, "dense"):
             continue
-        against = (dense.items, dense_tasks) if baseline == "dense" else (items.get((baseline, s)), tasks.get((baseline, s)))
-        found = {}
-        if items[m, s] is not None and against[0] is not None:
-            found.update(lm_paired(items[m, s], against[0]))
-        if tasks[m, s] is not None and against[1] is not None:
-            found.update(task_paired(tasks[m, s], against[1]))
-        if found:
-            paired.append(({"method": m, "sparsity": s}, found))
-    return intervals, paired
+        against = found.get(("dense", "0") if baseline == "dense" else (baseline, s), (None, None))
+        difference = {**(lm_paired(items, against[0]) if items is not None and against[0] is not None else {}),
+                      **(task_paired(tasks, against[1]) if tasks is not None and against[1] is not None else {})}
+        if difference:
+            paired.append(({"method": m, "sparsity": s}, difference))
+    return Statistics(intervals, paired, baseline)
 
 
 def _with_dto(rows: list[LMRow]) -> tuple[list[LMRow], dict[str, Any] | None]:
     """Each row with its DTO (:func:`fairprune.metrics.harness.dto`, from the figures each row's
     run does not mark invalid) when the rows hold a knowledge and an abstention figure; and what it
     was computed from."""
-    from dataclasses import replace
-
     distances, used = dto([row.as_dict() for row in rows])
     if used is None:
         return rows, None

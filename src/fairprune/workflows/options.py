@@ -174,3 +174,42 @@ class DataOptions(TypedDict, total=False):
     batch_size: int
     num_workers: int
     max_samples: int
+
+
+@dataclass(frozen=True)
+class VisionCompareOptions:
+    """A vision compare (``prune.py compare --ckpt``): every method at every sparsity (and
+    granularity), once per seed; each field is the command's option of that name.
+
+    Args:
+        methods: the methods compared.
+        sparsities: the target sparsities (fractions).
+        pruning: IterativePruning settings shared by every method (keep_per_iter, retrain_epochs, ...).
+        trainer: Trainer arguments.
+        data: data overrides (root, batch_size, num_workers, max_samples).
+        seed: the global seed (of the one run per cell without ``seeds``).
+        seeds: run every cell once per seed; the table gives mean ± sd and n.
+        dense_per_seed: train the dense model afresh per seed (the checkpoint's settings and epochs).
+        reference: what degradation is measured against: continued or dense.
+        baseline: the method every other is paired with (default: the first).
+        granularities: run every method at each of these granularities (default: pruning's, weight).
+        deploy: measure each network's size, MACs and CPU latency beside the dense one's.
+    """
+
+    methods: list[str]
+    sparsities: list[float]
+    pruning: dict | None = None
+    trainer: TrainerOptions | None = None
+    data: DataOptions | None = None
+    seed: int = 0
+    seeds: list[int] | None = None
+    dense_per_seed: bool = False
+    reference: str = "continued"
+    baseline: str | None = None
+    granularities: list[str] | None = None
+    deploy: bool = True
+
+    @property
+    def every_seed(self) -> list[int]:
+        """The seeds every cell runs with: ``seeds``, else ``[seed]``."""
+        return list(self.seeds) if self.seeds else [self.seed]

@@ -24,7 +24,10 @@ from torch.utils.data import DataLoader
 from fairprune.errors import UserError
 from fairprune.metrics.bootstrap import bootstrap, paired_difference
 from fairprune.pruning.channels import GRANULARITIES
+from fairprune.reporting.compare import Statistics
 from fairprune.storage.arrays import TooLarge, open_npz
+from fairprune.workflows.compare import Cell
+from fairprune.workflows.options import VisionCompareOptions
 
 ITEMS = "test_items.npz"
 
@@ -49,15 +52,14 @@ def compare_granularities(granularities: list[str] | None, pruning: dict[str, An
     return found
 
 
-def cell_settings(pruning: dict[str, Any] | None, seeds: list[int], granularities: list[str], methods: list[str],
-                  sparsities: list[float]) -> dict[tuple[int, str, str, float], dict[str, Any]]:
-    """Every compare cell's IterativePruning settings by (seed, granularity, method, sparsity). A
-    weight cell's have no granularity key (its config.yaml is the one earlier versions wrote, so
-    their finished cells are reused); the seed is the cell's only with several seeds."""
-    shared = {k: v for k, v in (pruning or {}).items() if k != "granularity"}
-    return {(s, g, m, sp): {**shared, "method": m, "target_sparsity": sp, **({"granularity": g} if g != "weight" else {}),
-                            **({"seed": s} if len(seeds) > 1 else {})}
-            for s in seeds for g in granularities for m in methods for sp in sparsities}
+def vision_cells(output: str | Path, compare: VisionCompareOptions) -> list[Cell]:
+    """Every cell of a vision compare in the order it runs: per seed, granularity, method and
+    sparsity, keyed by those four, in ``<output>/seed<s>`` with several seeds (:func:`cell_name`)."""
+    seeds = compare.every_seed
+    return [Cell((Path(output) / f"seed{s}" if len(seeds) > 1 else Path(output)) / cell_name(m, sp, g), (s, g, m, sp),
+                 f" seed {s}" if len(seeds) > 1 else "")
+            for s in seeds for g in compare_granularities(compare.granularities, compare.pruning)
+            for m in compare.methods or [] for sp in compare.sparsities or []]
 
 
 @torch.no_grad()
@@ -134,14 +136,6 @@ def read_items(folder: Path, groups: int | None = None) -> tuple[np.ndarray, np.
     return correct, group.astype(np.int64), item.astype(np.int64)
 
 
-def load_items(folder: Path, groups: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """:func:`read_items`, or None for a missing or bad file."""
-    try:
-        return read_items(folder, groups)
-    except BadItems:
-        return None
-
-
 Items = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
@@ -204,16 +198,11 @@ def checked_items(folders: Mapping[str, list[Path]], groups: int | None = None,
     return found
 
 
-def paired_rows(cells: dict[str, list[Path]], baseline: str, group_names: list[str],
-                reference: dict[str, Any] | None, seed: int = 0,
-                items: Mapping[Path, Items | None] | None = None) -> dict[str, dict[str, Any]]:
-    """Each cell (name → its run folder per seed) against the ``baseline`` cell; ``items``: the
-    cells' checked items by folder (:func:`checked_items`; default: each file as read, bad ones
-    left out)."""
-    def get(folder: Path) -> Items | None:
-        return items.get(folder) if items is not None else load_items(folder, len(group_names))
-
-    base = [get(f) for f in cells.get(baseline, [])]
+def paired_rows(cells: dict[str, list[Path]], baseline: str, group_names: list[str], reference: dict[str, Any] | None,
+                items: Mapping[Path, Items | None], seed: int = 0) -> dict[str, dict[str, Any]]:
+    """Each cell (name → its run folder per seed) against the ``baseline`` cell, on the cells'
+    checked items by folder (:func:`checked_items`)."""
+    base = [items.get(f) for f in cells.get(baseline, [])]
     if not base or any(b is None for b in base):
         return {}
     ref = None
@@ -224,7 +213,7 @@ def paired_rows(cells: dict[str, list[Path]], baseline: str, group_names: list[s
     for name, folders in cells.items():
         if name == baseline:
             continue
-        runs = [get(f) for f in folders]
+        runs = [items.get(f) for f in folders]
         if any(r is None for r in runs) or len(runs) != len(base):
             continue
         if any(not (np.array_equal(r[1], b[1]) and np.array_equal(r[2], b[2])) for r, b in zip(runs, base)):
@@ -234,19 +223,18 @@ def paired_rows(cells: dict[str, list[Path]], baseline: str, group_names: list[s
 
 
 def compare_statistics(reports: dict[str, list[dict[str, Any]]], folders: dict[str, list[Path]], firsts: list[dict[str, Any]],
-                       methods: list[str], sparsities: list[float], baseline: str, dense_rows: list[tuple[str, str]],
-                       seed: int = 0, granularities: list[str] | None = None,
-                       remeasure: Callable[[Path], None] | None = None, notes: list[str] | None = None) -> tuple[list, list]:
-    """The intervals of every row and each method's paired difference against ``baseline`` at
-    the same sparsity and granularity, as :func:`fairprune.reporting.compare.write_comparison` takes
-    them. ``dense_rows``: (row label, report key) of the dense rows; ``firsts``: per seed, a report
-    holding the dense figures; ``granularities``: None for a compare without that dimension (the
-    keys then leave it out). Each cell's ``test_items.npz`` is checked first (:func:`checked_items`:
+                       compare: VisionCompareOptions, dense_rows: list[tuple[str, str]],
+                       remeasure: Callable[[Path], None] | None = None, notes: list[str] | None = None) -> Statistics:
+    """The intervals of every row and each method's paired difference against the baseline at the
+    same sparsity and granularity (a key column once the compare runs other than weight granularity).
+    ``dense_rows``: (row label, report key) of the dense rows; ``firsts``: per seed, a report holding
+    the dense figures. Each cell's ``test_items.npz`` is checked first (:func:`checked_items`:
     ``remeasure`` tests a cell with a bad one again, ``notes`` collects the warnings)."""
-    levels = granularities or ["weight"]
+    levels, seed = compare_granularities(compare.granularities, compare.pruning), compare.seed
+    methods, sparsities, baseline = compare.methods, compare.sparsities, compare.baseline or compare.methods[0]
 
     def cell_key(m: str, s: float, g: str) -> dict[str, Any]:
-        return {"method": m, **({"granularity": g} if granularities else {}), "target_sparsity": s}
+        return {"method": m, **({"granularity": g} if levels != ["weight"] else {}), "target_sparsity": s}
 
     intervals = [(cell_key(m, s, g), bootstrap(reports[cell_name(m, s, g)], seed=seed))
                  for g in levels for m in methods for s in sparsities if cell_name(m, s, g) in reports]
@@ -260,6 +248,6 @@ def compare_statistics(reports: dict[str, list[dict[str, Any]]], folders: dict[s
         for g in levels:
             for s in sparsities:
                 cells = {m: folders[cell_name(m, s, g)] for m in methods if cell_name(m, s, g) in folders}
-                for method, result in paired_rows(cells, baseline, names, firsts[0].get("reference"), seed, items).items():
+                for method, result in paired_rows(cells, baseline, names, firsts[0].get("reference"), items, seed).items():
                     paired.append((cell_key(method, s, g), result))
-    return intervals, paired
+    return Statistics(intervals, paired, baseline)

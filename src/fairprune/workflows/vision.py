@@ -22,7 +22,6 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import rank_zero_only
 
-from fairprune import distributed
 from fairprune.callbacks.guards import FiniteCheck
 from fairprune.callbacks.history import remember_metrics
 from fairprune.callbacks.progress import ProgressBar
@@ -33,16 +32,16 @@ from fairprune.callbacks.signals import CheckpointOnStop, stop_in, stops_reporte
 from fairprune.errors import UserError
 from fairprune.metrics.bootstrap import bootstrap
 from fairprune.models.deploy import deploy_report, input_shape_of, slower_than_dense
-from fairprune.reporting.compare import write_comparison
 from fairprune.reporting.plots import plot_error_rate_changes, plot_group_shares
-from fairprune.reporting.records import VisionReport, VisionRow
+from fairprune.reporting.records import VisionRow
 from fairprune.reporting.report import write_json
 from fairprune.storage.atomic import write_text
 from fairprune.storage.checkpoints import read_checkpoint
 from fairprune.storage.lock import locked
 from fairprune.workflows import paired as compare_cells
-from fairprune.workflows.options import DataOptions, TrainerOptions, check_trainer, result_settings
-from fairprune.workflows.paired import cell_name, compare_statistics, item_outcomes, save_items
+from fairprune.workflows.compare import Cell, Written, compare_folders, run_compare
+from fairprune.workflows.options import DataOptions, TrainerOptions, VisionCompareOptions, check_trainer, result_settings
+from fairprune.workflows.paired import item_outcomes, save_items, vision_cells
 from fairprune.workflows.reference import (
     check_reference,
     continued_reference,
@@ -190,27 +189,21 @@ def _run_config(trained: Trained, pruning: dict[str, Any], output: str, name: st
             "data": data or {}, "seed": seed, "output": str(output), "name": name, "reference": reference}
 
 
-def _same_config(run: Path, config: dict[str, Any]) -> bool:
-    """Whether the run in ``run`` had the settings of ``config``, leaving out what changes no
-    result: the compare's own folder (a moved compare is reused) and progress, summary and
-    logging settings (``--quiet`` does not start finished cells again)."""
+def _earlier_cell(run: Path, config: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
+    """What an earlier compare left in a cell's folder under the same settings (``config.yaml``,
+    leaving out what changes no result: the compare's own folder, so a moved compare is reused, and
+    progress, summary and logging settings, so ``--quiet`` does not start finished cells again):
+    its test report (the cell finished: reuse it), else its last checkpoint (interrupted: resume
+    from it), else nothing. A folder from other settings is run again from the start."""
     def identity(found: Any) -> Any:
         if not isinstance(found, dict):
             return found
         return {**{k: v for k, v in found.items() if k != "output"}, "trainer": result_settings(found.get("trainer"))}
 
     try:
-        earlier = yaml.safe_load((run / "config.yaml").read_text())
+        if identity(yaml.safe_load((run / "config.yaml").read_text())) != identity(yaml.safe_load(yaml.safe_dump(config))):
+            return None, None
     except (OSError, yaml.YAMLError):
-        return False
-    return identity(earlier) == identity(yaml.safe_load(yaml.safe_dump(config, sort_keys=False)))
-
-
-def _earlier_cell(run: Path, config: dict[str, Any]) -> tuple[dict[str, Any] | None, str | None]:
-    """What an earlier compare left in a cell's folder under the same settings: its test report
-    (the cell finished: reuse it), else its last checkpoint (interrupted: resume from it), else
-    nothing. A folder from other settings is run again from the start."""
-    if not _same_config(run, config):
         return None, None
     try:
         report = json.loads((run / "report.json").read_text())
@@ -281,38 +274,15 @@ def train_dense(dense: Trained, folder: Path, seed: int, trainer: TrainerOptions
     return last
 
 
-def _compare_folders(output: str, methods: list[str], sparsities: list[float], seed: int = 0,
-                     seeds: list[int] | None = None, dense_per_seed: bool = False, granularities: list[str] | None = None,
-                     pruning: dict[str, Any] | None = None, **_: Any) -> list[Path]:
-    """Every folder :func:`compare_vision` writes, its output first: the per-seed dense runs and the
-    cells, named as its loop names them. All are locked before the first cell runs, so a run into
-    one of them (``prune.py vision --name <cell>``) is refused while compare runs, and compare is
-    refused at once by such a run."""
-    seeds = list(seeds) if seeds else [seed]
-    bases = [Path(output) / f"seed{s}" if len(seeds) > 1 else Path(output) for s in seeds]
-    levels = compare_cells.compare_granularities(granularities, pruning)
-    return [Path(output)] + [folder for base in bases for folder in ([base / "dense"] if dense_per_seed else [])
-                             + [base / cell_name(method, sparsity, g) for g in levels for method in methods or []
-                                for sparsity in sparsities or []]]
+def _compare_folders(output: str, compare: VisionCompareOptions, **_: Any) -> list[Path]:
+    """Every folder :func:`compare_vision` writes (:func:`compare_folders`): the per-seed dense runs too."""
+    cells = vision_cells(output, compare)
+    dense = dict.fromkeys(cell.folder.parent / "dense" for cell in cells) if compare.dense_per_seed else {}
+    return compare_folders(output, cells, *dense)
 
 
 @locked(_compare_folders, reads=lambda ckpt, **_: checkpoint_file(ckpt))
-def compare_vision(
-    ckpt: str,
-    methods: list[str],
-    sparsities: list[float],
-    pruning: dict[str, Any] | None = None,
-    output: str = "runs/compare",
-    trainer: TrainerOptions | None = None,
-    data: DataOptions | None = None,
-    seed: int = 0,
-    seeds: list[int] | None = None,
-    dense_per_seed: bool = False,
-    reference: str = "continued",
-    baseline: str | None = None,
-    granularities: list[str] | None = None,
-    deploy: bool = True,
-) -> pd.DataFrame:
+def compare_vision(ckpt: str, compare: VisionCompareOptions, output: str = "runs/compare") -> pd.DataFrame:
     """Run every method at every sparsity (and granularity) from one dense checkpoint; one table.
 
     Writes ``comparison.csv``, ``comparison.md``, ``report.json``, ``report.html``,
@@ -329,99 +299,86 @@ def compare_vision(
     Run again on the same ``output`` (after a kill, or to add methods or seeds), a cell whose
     folder holds a finished run (``report.json`` of the test split) under the same settings
     (``config.yaml``) is reused as it is, and one cut short resumes from its last checkpoint; a
-    cell whose settings changed runs again from the start.
-
-    ``granularities`` (default: ``pruning``'s, weight) runs every method at each (channel cells in
-    ``<method>_channel_s<sparsity>``, a ``granularity`` column; paired at the same granularity). ``deploy``: each cell's report measures its network and the dense one
-    (``report.json``'s ``deploy``; the table's size, MACs and latency columns).
+    cell whose settings changed runs again from the start. Channel cells (``granularities``) are
+    ``<method>_channel_s<sparsity>``, a ``granularity`` column, paired at the same granularity.
     """
-    if not methods or not sparsities:
+    methods = compare.methods
+    if not methods or not compare.sparsities:
         raise UserError("compare needs at least one method and one sparsity")
-    check_reference(reference)
-    check_trainer(trainer)
-    baseline = baseline or methods[0]
-    if baseline not in methods:
-        raise UserError(f"--baseline {baseline!r} is not one of the compared methods ({', '.join(methods)}); "
+    check_reference(compare.reference)
+    check_trainer(compare.trainer)
+    if (compare.baseline or methods[0]) not in methods:
+        raise UserError(f"--baseline {compare.baseline!r} is not one of the compared methods ({', '.join(methods)}); "
                         "the paired differences are taken against one of them")
-    seeds = list(seeds) if seeds else [seed]
-    if len(set(seeds)) != len(seeds):
-        raise UserError(f"seeds must differ from each other, got {seeds}")
-    # Every cell's settings and callback, built (and so checked) once, before the first long run starts.
-    levels = compare_cells.compare_granularities(granularities, pruning)
-    shown = levels != ["weight"]  # a granularity column (and key) once a compare prunes channels
-    plan = {key: (settings, IterativePruning(**settings))
-            for key, settings in compare_cells.cell_settings(pruning, seeds, levels, methods, sparsities).items()}
-    output = Path(output)
-    repeated = len(seeds) > 1
-    rows: list[VisionRow] = []
-    reports: dict[str, list[VisionReport]] = {}
-    runs: dict[str, str] = {}
-    shares: dict[str, list[pd.DataFrame]] = {}
-    cells, start, recalibration = len(plan), time.perf_counter(), None
-    firsts: list[VisionReport] = []  # per seed, the first cell's report: it holds the dense figures
-    folders: dict[str, list[Path]] = {}  # per cell, its run folder per seed
-    original = open_trained(ckpt)  # read once: every cell of every seed is pruned from what was read
-    for s in seeds:
-        base = output / f"seed{s}" if repeated else output
-        try:
-            source = open_trained(train_dense(original, base / "dense", s, trainer, data)) if dense_per_seed else original
-        except BaseException as err:
-            stop = stop_in(err, f"the dense model of seed {s}", f"run the same command again (the dense model of "
-                           f"seed {s} trains again from the start, finished ones are reused)")
-            if stop is None:
+    if len(set(compare.every_seed)) != len(compare.every_seed):
+        raise UserError(f"seeds must differ from each other, got {compare.every_seed}")
+    cells = vision_cells(output, compare)
+    # Every cell's settings and callback, built (and so checked) before the first long run: a weight cell's have no
+    # granularity key (the config.yaml earlier versions wrote: their finished cells are reused), a seed only with several.
+    shared = {k: v for k, v in (compare.pruning or {}).items() if k != "granularity"}
+    plan = {(s, g, m, sp): (settings, IterativePruning(**settings)) for s, g, m, sp in (cell.key for cell in cells)
+            for settings in [{**shared, "method": m, "target_sparsity": sp, **({"granularity": g} if g != "weight" else {}),
+                              **({"seed": s} if len(compare.every_seed) > 1 else {})}]}
+    c, start, original, sources = compare, time.perf_counter(), open_trained(ckpt), {}  # the checkpoint read once
+
+    def source(cell: Cell) -> Trained:  # what the cells of a seed are pruned from: the checkpoint, or its dense model
+        seed = cell.key[0]
+        if seed not in sources:
+            try:
+                sources[seed] = open_trained(train_dense(original, cell.folder.parent / "dense", seed, c.trainer,
+                                                         c.data)) if c.dense_per_seed else original
+            except BaseException as err:
+                stop_in(err, f"the dense model of seed {seed}", f"run the same command again (the dense model of seed {seed} "
+                        "trains again from the start, finished ones are reused)")
                 raise
-            raise stop from None
-        dense_seen = False
-        for granularity, method in [(g, m) for g in levels for m in methods]:
-            for sparsity in sparsities:
-                name = cell_name(method, sparsity, granularity)
-                settings, callback = plan[s, granularity, method, sparsity]
-                done = sum(len(r) for r in reports.values())
-                label = f"[compare] {name}{f' seed {s}' if repeated else ''} ({done + 1}/{cells})"
-                report, resume = _earlier_cell(base / name, _run_config(source, settings, str(base), name, trainer, data, s,
-                                                                         reference))
-                if report is not None:
-                    print(f"{label}: finished earlier with the same settings, reusing {base / name}", flush=True)
-                    recalibration = callback.bn_recalibration
-                    shares_file = base / name / "group_shares.csv"
-                    share_rows = pd.read_csv(shares_file) if shares_file.is_file() else pd.DataFrame()
-                else:
-                    print(f"{label}{f': resuming from {resume}' if resume else ''} ...", flush=True)
-                    try:
-                        report, _ = _prune(source, (settings, callback), str(base), name, trainer, data, resume=resume,
-                                           seed=s, reference=reference, deploy=deploy)
-                    except BaseException as err:
-                        # Run again, compare reuses the finished cells and resumes this one from its last.ckpt.
-                        kept = "resumes from its last checkpoint" if (base / name / "checkpoints" / "last.ckpt").is_file() \
-                            else "starts again"
-                        stop = stop_in(err, f"cell {name}{f' seed {s}' if repeated else ''}", "run the same command "
-                                       f"again to resume (finished cells are reused, this one {kept})")
-                        if stop is None:
-                            raise
-                        raise stop from None
-                    recalibration = callback.bn_recalibration
-                    share_rows = pd.DataFrame(callback.share_rows())
-                reports.setdefault(name, []).append(report)
-                folders.setdefault(name, []).append(base / name)
-                runs[f"seed{s}/{name}" if repeated else name] = str(base / name)
-                if len(share_rows):
-                    shares.setdefault(name, []).append(share_rows.assign(seed=s))
-                if not dense_seen and "reference" in report:
-                    dense_seen = True
-                    firsts.append(report)
-                    blank = "" if shown else None  # the dense rows' granularity cell
-                    rows.append(VisionRow.dense(report, seed=s if repeated else None, granularity=blank))
-                    continued = VisionRow.continued(report, seed=s if repeated else None, granularity=blank)
-                    if continued is not None:
-                        rows.append(continued)
-                rows.append(VisionRow.from_report(report, method, sparsity, seed=s if repeated else None,
-                                                  granularity=granularity if shown else None))
-    table = pd.DataFrame([row.as_dict() for row in rows])
-    if not distributed.is_main():  # under DDP every rank ran the cells; rank 0 writes the comparison
-        return table
+        return sources[seed]
+
+    def earlier(cell: Cell) -> tuple[dict[str, Any] | None, str | None]:
+        return _earlier_cell(cell.folder, _run_config(source(cell), plan[cell.key][0], str(cell.folder.parent),
+                                                      cell.name, c.trainer, c.data, cell.key[0], c.reference))
+
+    def run(cell: Cell, resume: str | None) -> dict[str, Any]:
+        try:
+            return _prune(source(cell), plan[cell.key], str(cell.folder.parent), cell.name, c.trainer, c.data,
+                          resume=resume, seed=cell.key[0], reference=c.reference, deploy=c.deploy)[0]
+        except BaseException as err:
+            # Run again, compare reuses the finished cells and resumes this one from its last.ckpt.
+            kept = "resumes from its last checkpoint" if (cell.folder / "checkpoints" / "last.ckpt").is_file() \
+                else "starts again"
+            stop_in(err, f"cell {cell.name}{cell.tag}", f"run the same command again to resume (finished cells are reused, "
+                    f"this one {kept})")
+            raise
+
+    return run_compare(output, cells, run, lambda done: _vision_comparison(done, c, plan, Path(output), start), earlier)
+
+
+def _vision_comparison(done: list[tuple[Cell, dict[str, Any]]], c: VisionCompareOptions, plan: dict[tuple, tuple],
+                       output: Path, start: float) -> Written:
+    """The rows of every cell (the dense model's and the continued reference's before each seed's
+    first), its intervals and paired differences, the plots and the report's fields."""
+    repeated, levels = len(c.every_seed) > 1, compare_cells.compare_granularities(c.granularities, c.pruning)
+    shown = levels != ["weight"]  # a granularity column (and key) once a compare prunes channels
+    # Per cell, its reports and run folders over the seeds; per seed, the first report (it holds the dense figures).
+    reports, folders, firsts, runs, shares, rows, dense_rows = {}, {}, {}, {}, {}, [], []
+    for cell, report in done:
+        (seed, granularity, method, sparsity), labelled = cell.key, cell.key[0] if repeated else None
+        reports.setdefault(cell.name, []).append(report)
+        folders.setdefault(cell.name, []).append(cell.folder)
+        runs[cell.folder.relative_to(output).as_posix()] = str(cell.folder)
+        if (cell.folder / "group_shares.csv").is_file():  # FairGRAPE's, written by its run
+            shares.setdefault(cell.name, []).append(pd.read_csv(cell.folder / "group_shares.csv").assign(seed=seed))
+        if seed not in firsts and "reference" in report:
+            firsts[seed], blank = report, "" if shown else None  # blank: the dense rows' granularity cell
+            found = [(row, key) for row, key in ((VisionRow.dense(report, seed=labelled, granularity=blank), "dense"),
+                     (VisionRow.continued(report, seed=labelled, granularity=blank), "reference")) if row is not None]
+            rows += [row for row, _ in found]
+            dense_rows = dense_rows or [(row.method, key) for row, key in found]
+        rows.append(VisionRow.from_report(report, method, sparsity, seed=labelled, granularity=granularity if shown else None))
+    against = ("continued reference" if c.reference == "continued" else "dense model") + \
+        (" (mean ± sd over seeds)" if repeated else "")
     figures = [(plot_error_rate_changes({n: (r if repeated else r[0]) for n, r in reports.items()},
                                         output / "error_rate_changes.png"),
-                f"Change of each group's FPR and FNR against the {'continued reference' if reference == 'continued' else 'dense model'}" + (" (mean ± sd over seeds)" if repeated else ""))]
+                f"Change of each group's FPR and FNR against the {against}")]
     if shares:
         last = list(shares)[-1]
         figures.append((plot_group_shares(pd.concat(shares[last], ignore_index=True), output / "group_shares.png"),
@@ -429,15 +386,12 @@ def compare_vision(
     warnings = sorted({w for cell in reports.values() for r in cell for w in r.get("warnings", [])})
     for warning in warnings:
         print(f"[compare] warning: {warning}", flush=True)
-    dense_rows = [(row.method, key) for row, key in ((VisionRow.dense(firsts[0]), "dense"),
-                                                     (VisionRow.continued(firsts[0]), "reference")) if row] if firsts else []
-    intervals, paired = compare_statistics(reports, {n: [Path(p) for p in folders[n]] for n in folders}, firsts, methods,
-                                           sparsities, baseline, dense_rows, seed, granularities=levels if shown else None,
-                                           remeasure=lambda folder: measure_items_again(folder, data), notes=warnings)
-    extra = {"runs": runs, "seeds": seeds, "dense_per_seed": dense_per_seed, "bn_recalibration": recalibration,
-             "reference": reference, "warnings": warnings, "seconds": {"total": time.perf_counter() - start},
-             "data": next((r["data"] for cell in reports.values() for r in cell if r.get("data")), {})}  # kept / left out
+    statistics = compare_cells.compare_statistics(reports, folders, list(firsts.values()), c, dense_rows, notes=warnings,
+                                                  remeasure=lambda folder: measure_items_again(folder, c.data))
+    extra = {"runs": runs, "seeds": c.every_seed, "dense_per_seed": c.dense_per_seed,
+             "bn_recalibration": plan[done[-1][0].key][1].bn_recalibration if done else None,
+             "reference": c.reference, "warnings": warnings, "seconds": {"total": time.perf_counter() - start},
+             "data": next((r["data"] for cell in reports.values() for r in cell if r.get("data")), {}),  # kept / left out
+             "granularities": levels}
     keys = ["method", "granularity", "target_sparsity"] if shown else ["method", "target_sparsity"]
-    return write_comparison(rows, output, {**extra, "granularities": levels}, keys=keys, figures=figures,
-                            title=f"Vision pruning comparison ({', '.join(methods)})", intervals=intervals,
-                            paired=paired, baseline=baseline)
+    return Written(rows, extra, f"Vision pruning comparison ({', '.join(c.methods)})", statistics, keys, figures)
