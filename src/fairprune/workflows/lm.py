@@ -50,7 +50,7 @@ from fairprune.storage.folders import check_free_space
 from fairprune.storage.lock import locked
 from fairprune.workflows.dense import DenseFigures, finish_evaluation
 from fairprune.workflows.launch import torchrun as _torchrun
-from fairprune.workflows.lm_run import prune_run
+from fairprune.workflows.lm_run import Pruned, prune_run
 from fairprune.workflows.opened import dense_of, memory_facts, open_blocks, stream_choice
 from fairprune.workflows.options import LMOptions, MachineOptions, model_folder
 from fairprune.workflows.tasks import attach, task_specs
@@ -168,6 +168,19 @@ def _runs(methods: list[str], sparsities: list[Sparsity], quantize: str = "none"
     return found
 
 
+def _reusable(kept, method: str, sparsity: Sparsity, quantize: str) -> Pruned | None:
+    """What a quantized row takes from its float row (``kept``: that run's model in memory,
+    pruned): its prune, when the row rounds to nearest (w4a16, w8a16), so the same pruned weights
+    are quantized without pruning again; None for a float row and for GPTQ (``-gptq``), whose
+    rounding is solved from the calibration Hessians while the model is pruned."""
+    from fairprune.hub.quantized import is_gptq
+
+    if kept is None or quantize == "none" or is_gptq(quantize):
+        return None
+    pruned = kept.pruned
+    return pruned if (pruned.method, pruned.sparsity) == (method, str(sparsity)) else None
+
+
 def _compare_folders(output: str, methods: list[str], sparsities: list[str | float | Sparsity], lm: LMOptions | None = None,
                      **_: Any) -> list[Path]:
     """Every folder :func:`compare_lm` writes, its output first, named as its loop names them: all
@@ -189,8 +202,8 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     ``baseline`` (default: the first method; ``dense`` compares every run with the dense model)
     at the same sparsity, on the same windows and pairs. With ``--quantize``, each method and
     sparsity also gets a pruned and quantized row (``sparsegpt + w4a16``, its folder
-    ``sparsegpt_0.5_w4a16``: the model pruned again the same way, then quantized and measured as
-    loaded back), paired against the same baseline: with the method itself as the baseline, its
+    ``sparsegpt_0.5_w4a16``: the float row's pruned model quantized, or with ``-gptq`` or
+    ``--stream`` the model pruned again the same way, then quantized and measured as loaded back), paired against the same baseline: with the method itself as the baseline, its
     quantized row's difference is what quantization cost on top of pruning."""
     import pandas as pd
     start = time.perf_counter()
@@ -218,10 +231,15 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     dense_zeros = zero_fraction(blocks)
     rows = [LMRow.dense(dense.all_metrics(), dense_zeros, dense.seconds, blocks.weight_bytes(),
                         validity=None if dense.tasks is None else dense.tasks.validity())]
+    kept = None  # the last float run's pruned model in memory, for its round-to-nearest quantized row
     for label, method, s, name, quantize in runs:
         if distributed.is_main() and machine.progress:
             print(f"[compare] {name} ...", flush=True)
         tick = time.perf_counter()
+        reuse = _reusable(kept, method, s, quantize)
+        if reuse is not None:  # the float row's model, pruned: quantized as it is
+            blocks, load_seconds = kept, 0.0
+        kept = None
         if blocks is None:  # the first run prunes the model the dense figures came from (in memory: in place)
             blocks = open_blocks(lm, stream)
             load_seconds = time.perf_counter() - tick
@@ -229,7 +247,8 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
         config = _config(run_lm, machine, method=method, sparsity=str(s), **asdict(solver))
         report = prune_run(blocks, tokenizer, method, s, Path(output) / name, texts, run_lm, solver, machine, config,
                            ids=ids, dense=dense, shared_dense=True, load_seconds=load_seconds, specs=specs,
-                           rss_start=peak_rss_bytes())
+                           rss_start=peak_rss_bytes(), reuse=reuse)
+        kept = blocks if quantize == "none" and not blocks.streamed else None
         blocks = None
         if distributed.is_main():
             rows.append(LMRow.from_report(report, label, str(s)))

@@ -11,6 +11,13 @@ the figures are those of the folder a later ``from_pretrained`` loads) and score
 per-item outcomes, ``config.yaml``, the model card and ``report.json``; then the staging folder
 swapped in whole (:func:`fairprune.storage.folders.replace_folder`).
 
+A compare's round-to-nearest quantized row (``sparsegpt + w4a16``) prunes nothing: it takes its
+float row's model, still in memory and pruned (``reuse``, the :class:`Pruned` record the float run
+left on it), quantizes it, loads it back and measures it. Its weights are those a fresh prune
+would quantize (the same dense model, calibration and solver give the same pruned weights), and
+its report says so: ``pruned_from`` names the float row's folder, ``seconds.prune`` and
+``seconds.solve`` are 0 and ``seconds.quantize`` is the quantize, save and load back.
+
 Under ``torchrun`` every rank prunes and measures its share; rank 0 alone writes (a streamed run's
 other ranks measure the pruned model from the files rank 0 wrote: its staging folder, whose path
 it broadcasts, must be readable by every rank).
@@ -19,6 +26,7 @@ it broadcasts, must be readable by every rank).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +48,18 @@ from fairprune.workflows.options import LMOptions, MachineOptions
 from fairprune.workflows.tasks import attach
 
 
+@dataclass(frozen=True)
+class Pruned:
+    """A prune done on a block model in memory, left on it by :func:`prune_run` (``blocks.pruned``):
+    the method and sparsity, :func:`fairprune.pruning.llm.prune_causal_lm`'s ``result`` and the
+    run folder the float model was written to."""
+
+    method: str
+    sparsity: str
+    result: dict[str, Any]
+    folder: Path
+
+
 def _quantizer(blocks, lm: LMOptions):
     """``--quantize``'s plan for the run (None without it): the scheme and the model's one group size."""
     if lm.quantize == "none":
@@ -54,20 +74,23 @@ def _quantizer(blocks, lm: LMOptions):
 def prune_run(blocks, tokenizer, method: str, sparsity: Sparsity, output: str | Path, texts, lm: LMOptions,
               solver: SolverOptions, machine: MachineOptions, config: dict[str, Any], *, ids: torch.Tensor,
               dense: DenseFigures, shared_dense: bool = False, load_seconds: float = 0.0, specs=None,
-              rss_start: int = 0) -> dict[str, Any]:
+              rss_start: int = 0, reuse: Pruned | None = None) -> dict[str, Any]:
     """Prune ``blocks`` (in place, or block by block into ``output``), measure, save and report
     (see the module docstring). ``dense``: the dense model's figures, every run's reference.
     Timings: ``load_seconds`` and, unless ``shared_dense`` (one dense measurement serving several
-    runs), the seconds ``dense`` took count towards the run's ``evaluate`` and ``total``."""
+    runs), the seconds ``dense`` took count towards the run's ``evaluate`` and ``total``.
+    ``reuse``: ``blocks`` is already pruned so (in memory; ``blocks.pruned``), and the run saves
+    it with round-to-nearest ``--quantize`` instead of pruning again."""
     start = time.perf_counter()
     entry = registry.get(method, "lm")
     talk = machine.progress and distributed.is_main()
     device = resolve_device(lm.device)
     blocks.quantizer = _quantizer(blocks, lm)
     gptq = blocks.quantizer is not None and blocks.quantizer.gptq  # GPTQ calibrates every method
+    calibrates = entry.uses_data or gptq
     calib = (calibration_ids(tokenizer, texts.calib_text, lm.nsamples, lm.seqlen, lm.seed)
-             if entry.uses_data or gptq else None)
-    pairs = paired_ids(tokenizer, texts.calib_pairs, lm.seqlen) if entry.paired else None
+             if calibrates and reuse is None else None)
+    pairs = paired_ids(tokenizer, texts.calib_pairs, lm.seqlen) if entry.paired and reuse is None else None
     dense_seconds = 0.0 if shared_dense else dense.seconds
     report: dict[str, Any] = {}
 
@@ -77,8 +100,12 @@ def prune_run(blocks, tokenizer, method: str, sparsity: Sparsity, output: str | 
         tick = time.perf_counter()
         writer = blocks.writer(out)  # streamed and --quantize: it quantizes each block as it is written
         try:
-            result = prune_causal_lm(blocks, method, sparsity, calib, pairs, device, solver.percdamp, solver.blocksize,
-                                     progress=talk, writer=writer)
+            if reuse is None:
+                result = prune_causal_lm(blocks, method, sparsity, calib, pairs, device, solver.percdamp,
+                                         solver.blocksize, progress=talk, writer=writer)
+                blocks.pruned = Pruned(method, str(sparsity), result, Path(output))
+            else:
+                result = {**reuse.result, "seconds": {**reuse.result["seconds"], "solve": 0.0}}
             saving = SaveOptions(save_format=lm.save_format, nm=sparsity.nm, quantize=lm.quantize,
                                  quant_group_size=lm.quant_group_size, trust_remote_code=lm.trust_remote_code,
                                  progress=machine.progress)
@@ -97,14 +124,17 @@ def prune_run(blocks, tokenizer, method: str, sparsity: Sparsity, output: str | 
             return
         quantization = weights.pop("quantization", None) if weights else None
         task_seconds = 0.0 if tasks is None else tasks.seconds
+        saved = {"prune": pruned_at - tick} if reuse is None else {"prune": 0.0, "quantize": pruned_at - tick}
         report.update(lm_report(
             result, after, items, dense.metrics, dense.items, from_cache=dense.from_cache, model=lm.model,
-            calibration=calibration_facts(texts, lm.nsamples if calib is not None else 0, lm.seqlen, pairs is not None),
+            calibration=calibration_facts(texts, lm.nsamples if calibrates else 0, lm.seqlen, entry.paired),
             evaluation=evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer),
-            seconds={"load": load_seconds, "prune": pruned_at - tick, "solve": result["seconds"]["solve"],
+            seconds={"load": load_seconds, **saved, "solve": result["seconds"]["solve"],
                      "evaluate": dense_seconds + (end - pruned_at), "total": load_seconds + dense_seconds + end - start},
             threads=torch.get_num_threads(), stream=blocks.streamed, weights=weights, memory=memory))
         report["reference"]["seconds"] = dense.seconds
+        if reuse is not None:  # pruned by the float run in that folder, then quantized here
+            report["pruned_from"] = str(reuse.folder)
         if quantization is not None:  # the figures above are the loaded-back quantized model's
             report["quantization"] = quantization
         attach(report, tasks, dense.tasks)
