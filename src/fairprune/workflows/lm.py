@@ -203,8 +203,9 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     at the same sparsity, on the same windows and pairs. With ``--quantize``, each method and
     sparsity also gets a pruned and quantized row (``sparsegpt + w4a16``, its folder
     ``sparsegpt_0.5_w4a16``: the float row's pruned model quantized, or with ``-gptq`` or
-    ``--stream`` the model pruned again the same way, then quantized and measured as loaded back), paired against the same baseline: with the method itself as the baseline, its
-    quantized row's difference is what quantization cost on top of pruning."""
+    ``--stream`` the model pruned again the same way, then quantized; measured as loaded back),
+    paired against the same baseline: with the method itself as the baseline, its quantized row's
+    difference is what quantization cost on top of pruning."""
     import pandas as pd
     start = time.perf_counter()
     machine.apply()
