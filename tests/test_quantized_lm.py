@@ -205,6 +205,33 @@ def test_compare_adds_a_pruned_and_quantized_row_paired_with_the_pruned_one(llam
     assert row["weights_mb"] < table[table["method"] == "magnitude"].iloc[0]["weights_mb"] * 0.5
 
 
+def test_compare_quantizes_the_float_rows_model_without_pruning_again(llama_folder, tmp_path):
+    """The round-to-nearest row reuses its float row's prune: the folder it writes holds, bit for
+    bit, what the single command (prune, then quantize) writes, and its report says where the
+    prune came from."""
+    from safetensors.torch import load_file
+
+    texts = ["--eval_text", str(llama_folder / "eval.txt")]
+    out = tmp_path / "c"
+    assert prune_main(["compare", "--model", str(llama_folder / "dense"), "--methods", "[sparsegpt]",
+                       "--sparsities", '["0.5"]', "--quantize", "w4a16", "--output", str(out), *FAST, *texts]) == 0
+    assert prune_main(["sparsegpt", "--model", str(llama_folder / "dense"), "--sparsity", "0.5", "--quantize", "w4a16",
+                       "--output", str(tmp_path / "single"), *FAST, *texts]) == 0
+    reused, single = load_file(out / "sparsegpt_0.5_w4a16" / "model.safetensors"), load_file(tmp_path / "single" / "model.safetensors")
+    assert reused.keys() == single.keys() and all(torch.equal(reused[k], single[k]) for k in reused)
+    report = json.loads((out / "sparsegpt_0.5_w4a16" / "report.json").read_text())
+    pruned = json.loads((out / "sparsegpt_0.5" / "report.json").read_text())
+    assert report["pruned_from"] == str(out / "sparsegpt_0.5") and "pruned_from" not in pruned
+    assert report["seconds"]["prune"] == 0.0 and report["seconds"]["solve"] == 0.0 and report["seconds"]["quantize"] > 0
+    assert report["calibration"] == pruned["calibration"] and report["achieved_sparsity"] == pruned["achieved_sparsity"]
+    assert report["metrics"] == pytest.approx(json.loads((tmp_path / "single" / "report.json").read_text())["metrics"])
+    assert (out / "sparsegpt_0.5_w4a16" / "sparsity.csv").read_text() == (out / "sparsegpt_0.5" / "sparsity.csv").read_text()
+    from test_docs import _data_names, _documented, _report_keys
+
+    missing = {where for where, key in _report_keys(report, _data_names(report)) if key not in _documented()}
+    assert not missing, f"report.json keys not described in docs/outputs.md: {sorted(missing)}"
+
+
 def test_a_gpt2_model_is_refused_before_any_work(tmp_path, capsys):
     tiny_gpt2_folder(tmp_path)
     out = tmp_path / "x"

@@ -36,7 +36,7 @@ from fairprune.errors import UserError
 from fairprune.hub.checks import check_input_model, saved_bytes
 from fairprune.memory import peak_rss_bytes
 from fairprune.pruning import registry
-from fairprune.pruning.lm_run import Clock, dense_of, prune_run
+from fairprune.pruning.lm_run import Start, dense_of, prune_run
 from fairprune.pruning.options import CalibrationOptions, HeadOptions, LMOptions, SolverOptions, TaskOptions
 from fairprune.pruning.sparsity import Sparsity
 from fairprune.pruning.tasks import task_specs
@@ -134,7 +134,7 @@ class PostTrainingPruning(L.Callback):
         measuring = dense_of(blocks, pl_module.tokenizer, LMTexts(train_text, val_text, calib_pairs, eval_pairs), lm,
                              talk, self.specs)
         self.report = prune_run(blocks, self.method, self.sparsity, out, measuring, lm, self.solver, self._config(),
-                                Clock(load_seconds, rss_start), talk)
+                                Start(load_seconds, rss_start), talk)
 
     def _prune_heads(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from fairprune.data.prompts import read_prompts

@@ -5,15 +5,16 @@
 2. Prunes it with SparseGPT, Debias-SparseGPT, Wanda and magnitude at 50 % from one dense
    measurement and prints one comparison table: perplexity, stereotype score, and through
    lm-evaluation-harness on the bundled sets HellaSwag and MMLU accuracy, BBQ abstention accuracy
-   and bias score (a cloze over each item's three answers, the paper's letter prompt, that prompt
-   balanced over the answers' positions, lm-eval's twelve-answer cloze) and DTO, each with its
-   chance level, its interval and the paired difference against SparseGPT; and SparseGPT's model
-   quantized to 4 bits (``sparsegpt + w4a16``: the pack-quantized folder plain transformers loads,
-   measured as loaded back, paired against SparseGPT's float model)
-   (``configs/compare/lm_smollm2.yaml``: small calibration and evaluation caps so the whole demo
-   fits in about ten minutes on two cores). The headline shows DTO and the abstention and
-   knowledge figures it reads; a figure a run marks invalid (a letter task answered with one
-   letter, a task at chance) is struck out and left out of DTO.
+   and bias score (a cloze over each item's three answers, and the paper's letter prompt balanced
+   over the answers' positions) and DTO, each with its chance level, its interval and the paired
+   difference against SparseGPT; and SparseGPT's model quantized to 4 bits (``sparsegpt + w4a16``:
+   SparseGPT's pruned model rounded to nearest, not pruned again, written as the pack-quantized
+   folder plain transformers loads and measured as loaded back, paired against SparseGPT's float
+   model) (``configs/compare/lm_smollm2.yaml``: small calibration and evaluation caps so the
+   whole demo takes about seven minutes on two idle cores, six when an earlier run left the dense
+   model's figures in the cache). The headline shows DTO and the abstention and knowledge figures it reads;
+   a figure a run marks invalid (a letter task answered with one letter, a task at chance) is
+   struck out and left out of DTO.
 
 Everything lands in ``runs/demo_lm/`` (one folder per method and sparsity, and the table).
 """

@@ -17,6 +17,13 @@ the figures are those of the folder a later ``from_pretrained`` loads) and score
 the per-item outcomes, ``config.yaml``, the model card and ``report.json``; then the staging folder
 swapped in whole (:func:`fairprune.storage.folders.replace_folder`).
 
+A compare's round-to-nearest quantized row (``sparsegpt + w4a16``) prunes nothing: it takes its
+float row's model, still in memory and pruned (``reuse``, the :class:`Pruned` record the float run
+left on it), quantizes it, loads it back and measures it. Its weights are those a fresh prune
+would quantize (the same dense model, calibration and solver give the same pruned weights), and
+its report says so: ``pruned_from`` names the float row's folder, ``seconds.prune`` and
+``seconds.solve`` are 0 and ``seconds.quantize`` is the quantize, save and load back.
+
 Under ``torchrun`` every rank prunes and measures its share; rank 0 alone writes (a streamed run's
 other ranks measure the pruned model from the files rank 0 wrote: its staging folder, whose path
 it broadcasts, must be readable by every rank).
@@ -62,15 +69,29 @@ class Measuring:
 
 
 @dataclass(frozen=True)
-class Clock:
-    """What a run's report counts from before the run: the seconds the model took to open
-    (``load_seconds``), the peak resident memory when the work began (``rss_start``), and whether
-    one dense measurement serves several runs (``shared_dense``, as in compare: then its seconds
-    are not counted towards this run's ``evaluate`` and ``total``)."""
+class Pruned:
+    """A prune done on a block model in memory, left on it by :func:`prune_run` (``blocks.pruned``):
+    the method and sparsity, :func:`fairprune.pruning.llm.prune_causal_lm`'s ``result`` and the
+    run folder the float model was written to."""
+
+    method: str
+    sparsity: str
+    result: dict[str, Any]
+    folder: Path
+
+
+@dataclass(frozen=True)
+class Start:
+    """What a run starts from: the seconds the model took to open (``load_seconds``), the peak
+    resident memory when the work began (``rss_start``), whether one dense measurement serves
+    several runs (``shared_dense``, as in compare: then its seconds are not counted towards this
+    run's ``evaluate`` and ``total``), and a prune already done on the model in memory
+    (``reuse``: the run saves it with round-to-nearest ``--quantize`` instead of pruning again)."""
 
     load_seconds: float = 0.0
     rss_start: int = 0
     shared_dense: bool = False
+    reuse: Pruned | None = None
 
 
 def lm_tasks(blocks, tokenizer, specs, lm: LMOptions, device, progress: bool, *, dense: bool = False,
@@ -118,14 +139,13 @@ def _quantizer(blocks, lm: LMOptions):
 
 
 def prune_run(blocks, method: str, sparsity: Sparsity, output: str | Path, measuring: Measuring, lm: LMOptions,
-              solver: SolverOptions, config: dict[str, Any], clock: Clock = Clock(),
+              solver: SolverOptions, config: dict[str, Any], start_from: Start = Start(),
               progress: bool = True) -> dict[str, Any]:
     """Prune ``blocks`` (in place, or block by block into ``output``) with ``method`` at
     ``sparsity``, measure, save and report (see the module docstring); ``config`` is written as the
     run's ``config.yaml``. ``measuring``: the texts, the evaluation ids and the dense model's
-    figures, every run's reference (:func:`dense_of`). Timings: ``clock.load_seconds`` and, unless
-    ``clock.shared_dense``, the seconds the dense figures took count towards the run's
-    ``evaluate`` and ``total``."""
+    figures, every run's reference (:func:`dense_of`). ``start_from``: what the run counts from
+    (:class:`Start`) and the prune it reuses, if any."""
     start = time.perf_counter()
     entry = registry.get(method, "lm")
     talk = progress and distributed.is_main()
@@ -133,11 +153,12 @@ def prune_run(blocks, method: str, sparsity: Sparsity, output: str | Path, measu
     texts, tokenizer, ids, dense = measuring.texts, measuring.tokenizer, measuring.ids, measuring.dense
     blocks.quantizer = _quantizer(blocks, lm)
     gptq = blocks.quantizer is not None and blocks.quantizer.gptq  # GPTQ calibrates every method
+    calibrates, reuse = entry.uses_data or gptq, start_from.reuse
     calib = (calibration_ids(tokenizer, texts.calib_text, lm.nsamples, lm.seqlen, lm.seed)
-             if entry.uses_data or gptq else None)
-    pairs = paired_ids(tokenizer, texts.calib_pairs, lm.seqlen) if entry.paired else None
-    dense_seconds = 0.0 if clock.shared_dense else dense.seconds
-    load_seconds = clock.load_seconds
+             if calibrates and reuse is None else None)
+    pairs = paired_ids(tokenizer, texts.calib_pairs, lm.seqlen) if entry.paired and reuse is None else None
+    dense_seconds = 0.0 if start_from.shared_dense else dense.seconds
+    load_seconds = start_from.load_seconds
     report: dict[str, Any] = {}
 
     def write(out: Path | None) -> None:
@@ -146,7 +167,11 @@ def prune_run(blocks, method: str, sparsity: Sparsity, output: str | Path, measu
         tick = time.perf_counter()
         writer = blocks.writer(out)  # streamed and --quantize: it quantizes each block as it is written
         try:
-            result = prune_causal_lm(blocks, method, sparsity, calib, pairs, device, solver, progress=talk, writer=writer)
+            if reuse is None:
+                result = prune_causal_lm(blocks, method, sparsity, calib, pairs, device, solver, progress=talk, writer=writer)
+                blocks.pruned = Pruned(method, str(sparsity), result, Path(output))
+            else:
+                result = {**reuse.result, "seconds": {**reuse.result["seconds"], "solve": 0.0}}
             saving = SaveOptions(save_format=lm.save_format, nm=sparsity.nm, quantize=lm.quantize,
                                  quant_group_size=lm.quant_group_size, trust_remote_code=lm.trust_remote_code,
                                  progress=progress)
@@ -160,19 +185,22 @@ def prune_run(blocks, method: str, sparsity: Sparsity, output: str | Path, measu
         after, items = measure_lm_items(pruned, tokenizer, ids, texts.eval_pairs, lm.window, device, progress=progress)
         tasks = lm_tasks(pruned, tokenizer, measuring.specs, lm, device, progress, who=f"{method}: ")
         end = time.perf_counter()
-        memory = memory_facts(blocks, clock.rss_start)
+        memory = memory_facts(blocks, start_from.rss_start)
         if out is None:
             return
         quantization = weights.pop("quantization", None) if weights else None
         task_seconds = 0.0 if tasks is None else tasks.seconds
+        saved = {"prune": pruned_at - tick} if reuse is None else {"prune": 0.0, "quantize": pruned_at - tick}
         report.update(lm_report(
             result, after, items, dense.metrics, dense.items, from_cache=dense.from_cache, model=lm.model,
-            calibration=calibration_facts(texts, lm.nsamples if calib is not None else 0, lm.seqlen, pairs is not None),
+            calibration=calibration_facts(texts, lm.nsamples if calibrates else 0, lm.seqlen, entry.paired),
             evaluation=evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer),
-            seconds={"load": load_seconds, "prune": pruned_at - tick, "solve": result["seconds"]["solve"],
+            seconds={"load": load_seconds, **saved, "solve": result["seconds"]["solve"],
                      "evaluate": dense_seconds + (end - pruned_at), "total": load_seconds + dense_seconds + end - start},
             threads=torch.get_num_threads(), stream=blocks.streamed, weights=weights, memory=memory))
         report["reference"]["seconds"] = dense.seconds
+        if reuse is not None:  # pruned by the float run in that folder, then quantized here
+            report["pruned_from"] = str(reuse.folder)
         if quantization is not None:  # the figures above are the loaded-back quantized model's
             report["quantization"] = quantization
         attach(report, tasks, dense.tasks)

@@ -44,7 +44,7 @@ from fairprune.metrics.language import LMItems
 from fairprune.pruning import registry
 from fairprune.pruning.dense import DenseFigures, finish_evaluation
 from fairprune.pruning.llm import check_pattern_fits, evaluation_facts
-from fairprune.pruning.lm_run import Clock, dense_of, memory_facts, prune_run
+from fairprune.pruning.lm_run import Pruned, Start, dense_of, memory_facts, prune_run
 from fairprune.pruning.options import LMOptions, SolverOptions
 from fairprune.pruning.sparsity import Sparsity
 from fairprune.pruning.tasks import attach, task_specs
@@ -113,7 +113,7 @@ def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm:
     load_seconds = time.perf_counter() - start
     measuring = dense_of(blocks, tokenizer, texts, lm, machine.progress, specs)
     config = _config(lm, machine, method=method, sparsity=str(sparsity), **asdict(solver))
-    return prune_run(blocks, method, sparsity, output, measuring, lm, solver, config, Clock(load_seconds, rss_start),
+    return prune_run(blocks, method, sparsity, output, measuring, lm, solver, config, Start(load_seconds, rss_start),
                      machine.progress)
 
 
@@ -166,6 +166,19 @@ def _cells(output: str, methods: list[str], sparsities: list[str | float | Spars
     return found
 
 
+def _reusable(kept, method: str, sparsity: Sparsity, quantize: str) -> Pruned | None:
+    """What a quantized row takes from its float row (``kept``: that run's model in memory,
+    pruned): its prune, when the row rounds to nearest (w4a16, w8a16), so the same pruned weights
+    are quantized without pruning again; None for a float row and for GPTQ (``-gptq``), whose
+    rounding is solved from the calibration Hessians while the model is pruned."""
+    from fairprune.hub.quantized import is_gptq
+
+    if kept is None or quantize == "none" or is_gptq(quantize):
+        return None
+    pruned = kept.pruned
+    return pruned if (pruned.method, pruned.sparsity) == (method, str(sparsity)) else None
+
+
 @_torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
 @locked(lambda output, **args: compare_folders(output, _cells(output, **args)), reads=model_folder)
 def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float | Sparsity], output: str,
@@ -178,9 +191,10 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     ``baseline`` (default: the first method; ``dense`` compares every run with the dense model)
     at the same sparsity, on the same windows and pairs. With ``--quantize``, each method and
     sparsity also gets a pruned and quantized row (``sparsegpt + w4a16``, its folder
-    ``sparsegpt_0.5_w4a16``: the model pruned again the same way, then quantized and measured as
-    loaded back), paired against the same baseline: with the method itself as the baseline, its
-    quantized row's difference is what quantization cost on top of pruning."""
+    ``sparsegpt_0.5_w4a16``: the float row's pruned model quantized, or with ``-gptq`` or
+    ``--stream`` the model pruned again the same way, then quantized; measured as loaded back),
+    paired against the same baseline: with the method itself as the baseline, its quantized row's
+    difference is what quantization cost on top of pruning."""
     start = time.perf_counter()
     machine.apply()
     for method in methods:
@@ -208,18 +222,27 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     dense_row = LMRow.dense(dense.all_metrics(), dense_zeros, dense.seconds, blocks.weight_bytes(),
                             validity=None if dense.tasks is None else dense.tasks.validity())
     opened, blocks = [blocks], None  # the model the dense figures came from: the first run prunes it (in memory: in place)
+    kept: list = []  # the last float run's pruned model in memory, for its round-to-nearest quantized row
 
     def run(cell: Cell, resume: str | None) -> dict[str, Any]:
         nonlocal load_seconds
         _, method, s, quantize = cell.key
         tick = time.perf_counter()
+        reuse = _reusable(kept[0] if kept else None, method, s, quantize)
+        if reuse is not None:  # the float row's model, pruned: quantized as it is
+            opened[:], load_seconds = [kept[0]], 0.0
+        kept.clear()
         if not opened:  # each later run opens the model again
             opened.append(open_blocks(lm, stream))
             load_seconds = time.perf_counter() - tick
         run_lm = replace(lm, quantize=quantize, quantize_methods=None)
         config = _config(run_lm, machine, method=method, sparsity=str(s), **asdict(solver))
-        return prune_run(opened.pop(), method, s, cell.folder, measuring, run_lm, solver, config,
-                         Clock(load_seconds, peak_rss_bytes(), shared_dense=True), machine.progress)
+        blocks = opened.pop()
+        report = prune_run(blocks, method, s, cell.folder, measuring, run_lm, solver, config,
+                           Start(load_seconds, peak_rss_bytes(), shared_dense=True, reuse=reuse), machine.progress)
+        if quantize == "none" and not blocks.streamed:
+            kept.append(blocks)
+        return report
 
     def finish(done: list[tuple[Cell, dict[str, Any]]]) -> Written:
         """The dense model as the reference, intervals and paired differences from the items, DTO."""
