@@ -29,7 +29,7 @@ from fairprune.errors import UserError, suggest
 from fairprune.pruning import registry
 from fairprune.pruning.options import HeadOptions, LMOptions, SolverOptions
 from fairprune.pruning.sparsity import Sparsity
-from fairprune.workflows.options import DataOptions, MachineOptions, TrainerOptions, VisionCompareOptions
+from fairprune.workflows.options import MachineOptions, TrainerOptions, VisionCompareOptions
 
 
 class Command(NamedTuple):
@@ -76,14 +76,11 @@ def commands() -> dict[str, Command]:
 # Commands whose options are not one workflow's: they choose or build what the workflow gets.
 
 
-def compare(methods: list[str], output: str = "runs/compare", ckpt: str | None = None, model: str | None = None,
-            sparsities: list[str | float] = [0.9], alphas: list[float] | None = None,
-            pruning: dict[str, Any] = {}, trainer: TrainerOptions = {}, data: DataOptions = {}, seed: int = 0,
-            seeds: list[int] | None = None, dense_per_seed: bool = False, reference: str = "continued",
-            baseline: str | None = None, granularities: list[str] | None = None, deploy: bool = True,
-            lm: LMOptions | None = None, solver: SolverOptions | None = None, heads: HeadOptions | None = None,
-            machine: MachineOptions | None = None) -> Any:
-    """Compare methods x sparsities from one vision checkpoint (--ckpt) or one causal LM (--model).
+@dataclasses.dataclass(frozen=True)
+class CompareOptions:
+    """What is compared: methods x sparsities (or α) from one checkpoint or causal LM.
+
+    One vision checkpoint (``--ckpt``) or one causal LM (``--model``).
 
     Args:
         methods: method names (see each kind's list in prune.py vision / fasp / <lm method> --help).
@@ -92,31 +89,43 @@ def compare(methods: list[str], output: str = "runs/compare", ckpt: str | None =
         model: causal LM (hub name or folder) instead of --ckpt.
         sparsities: vision: fractions; LM: fractions or N:M such as "2:4".
         alphas: head pruning (FASP and baselines) at these α instead of weight sparsities.
-        pruning: vision: IterativePruning settings shared by every method (keep_per_iter, retrain_epochs, ...).
-        trainer: vision: Trainer arguments.
-        data: vision: data overrides (root, batch_size, num_workers, max_samples).
         seed: vision: the global seed; LM: the calibration sample, pair split and generation seed.
-        seeds: vision: run every cell once per seed (e.g. [0, 1, 2]); the table gives mean ± sd and n.
-        dense_per_seed: vision: train the dense model afresh per seed (the checkpoint's settings and epochs).
         baseline: the method every other is compared with on the same test items (vision) or the same windows and pairs (LM), with a paired 95 % interval; default: the first method; LM: also dense.
-        reference: vision: what degradation is measured against: continued (the dense model trained on for as many epochs as the pruning schedule retrains, without pruning; cached) or dense (the checkpoint as it is).
-        granularities: vision: run every method at each of these granularities, e.g. [weight, channel] (default: pruning.granularity, weight); with channel the table gets a granularity column.
-        deploy: vision: measure each network's size, MACs and CPU latency (PyTorch, ONNX Runtime) beside the dense one's (columns params (M), MB, MMACs, ms/img ...; a few seconds per cell).
     """
-    if (ckpt is None) == (model is None):
+
+    methods: list[str]
+    output: str = "runs/compare"
+    ckpt: str | None = None
+    model: str | None = None
+    sparsities: list[str | float] = dataclasses.field(default_factory=lambda: [0.9])
+    alphas: list[float] | None = None
+    seed: int = 0
+    baseline: str | None = None
+
+
+def compare(run: CompareOptions, vision: VisionCompareOptions | None = None, lm: LMOptions | None = None,
+            solver: SolverOptions | None = None, heads: HeadOptions | None = None,
+            machine: MachineOptions | None = None) -> Any:
+    """Compare methods x sparsities from one vision checkpoint (--ckpt) or one causal LM (--model).
+    Its options come flat from the groups: ``run`` (what is compared), ``vision`` (a vision
+    compare's settings), ``lm`` / ``solver`` / ``heads`` (an LM's) and ``machine``; an option two
+    groups share (``--seed``, ``--model``) is given once."""
+    if (run.ckpt is None) == (run.model is None):
         raise UserError("compare needs exactly one of --ckpt (a vision checkpoint) or --model (a causal LM)")
-    if ckpt is not None:
+    vision = vision or VisionCompareOptions(run.methods, [])
+    if run.ckpt is not None:
         from fairprune.workflows.vision import compare_vision
 
-        fractions = [Sparsity.parse(s, what="vision sparsity", nm=False).fraction for s in sparsities]
-        return compare_vision(ckpt, VisionCompareOptions(methods, fractions, dict(pruning), dict(trainer), dict(data), seed,
-                                                         seeds, dense_per_seed, reference, baseline, granularities, deploy),
-                              output)
-    if granularities:
+        fractions = [Sparsity.parse(s, what="vision sparsity", nm=False).fraction for s in run.sparsities]
+        return compare_vision(run.ckpt, dataclasses.replace(
+            vision, methods=run.methods, sparsities=fractions, pruning=dict(vision.pruning or {}),
+            trainer=dict(vision.trainer or {}), data=dict(vision.data or {}), seed=run.seed, baseline=run.baseline),
+            run.output)
+    if vision.granularities:
         raise UserError("--granularities is for vision compares (--ckpt); an LM compare prunes weights, N:M patterns "
                         "or heads")
-    lm = dataclasses.replace(lm, model=model)
-    if alphas:
+    lm = dataclasses.replace(lm or LMOptions(), model=run.model, seed=run.seed)
+    if run.alphas:
         if lm.save_format != "dense":
             raise UserError("--save_format compressed applies to weight pruning (--sparsities); head pruning (--alphas) "
                             "removes heads and writes dense folders")
@@ -125,11 +134,11 @@ def compare(methods: list[str], output: str = "runs/compare", ckpt: str | None =
                             "writes dense folders")
         from fairprune.workflows.heads import compare_heads
 
-        return compare_heads(lm, methods, alphas, output, heads, machine or MachineOptions())
+        return compare_heads(lm, run.methods, run.alphas, run.output, heads or HeadOptions(), machine or MachineOptions())
     from fairprune.workflows.lm import compare_lm
 
-    return compare_lm(lm, methods, [Sparsity.parse(s) for s in sparsities], output, solver, machine or MachineOptions(),
-                      baseline=baseline)
+    return compare_lm(lm, run.methods, [Sparsity.parse(s) for s in run.sparsities], run.output, solver or SolverOptions(),
+                      machine or MachineOptions(), baseline=run.baseline)
 
 
 def diff_compare(train_config: str, overrides: list[str] = [], target_fraction: float = 0.005, epochs: int = 3,
@@ -200,10 +209,11 @@ def build_parser(name: str):
         parser.add_class_arguments(IterativePruning, "pruning", help="pruning method and schedule")
         skip.add("pruning")
     parser.add_function_arguments(function, nested_key=None, skip=skip)
+    given = set(inspect.signature(function).parameters) | set(command.hide)
     for group in dict.fromkeys([*groups.values(), MachineOptions]):  # every subcommand takes --threads, --quiet
         fields = {f.name for f in dataclasses.fields(group)}
-        parser.add_class_arguments(group, nested_key=None,
-                                   skip=(set(inspect.signature(function).parameters) | set(command.hide)) & fields)
+        parser.add_class_arguments(group, nested_key=None, skip=given & fields)
+        given |= fields  # an option two groups share is added once; each group reads it by name
     return parser
 
 

@@ -178,22 +178,25 @@ class DataOptions(TypedDict, total=False):
 
 @dataclass(frozen=True)
 class VisionCompareOptions:
-    """A vision compare (``prune.py compare --ckpt``): every method at every sparsity (and
-    granularity), once per seed; each field is the command's option of that name.
+    """A vision compare's settings (compare --ckpt).
+
+    Every method at every sparsity (and granularity), once per seed; each field is the option of
+    ``prune.py compare`` of that name (its help says ``vision:``, as the command lists it beside an
+    LM compare's options).
 
     Args:
         methods: the methods compared.
         sparsities: the target sparsities (fractions).
-        pruning: IterativePruning settings shared by every method (keep_per_iter, retrain_epochs, ...).
-        trainer: Trainer arguments.
-        data: data overrides (root, batch_size, num_workers, max_samples).
+        pruning: vision: IterativePruning settings shared by every method (keep_per_iter, retrain_epochs, ...).
+        trainer: vision: Trainer arguments.
+        data: vision: data overrides (root, batch_size, num_workers, max_samples).
         seed: the global seed (of the one run per cell without ``seeds``).
-        seeds: run every cell once per seed; the table gives mean ± sd and n.
-        dense_per_seed: train the dense model afresh per seed (the checkpoint's settings and epochs).
-        reference: what degradation is measured against: continued or dense.
+        seeds: vision: run every cell once per seed (e.g. [0, 1, 2]); the table gives mean ± sd and n.
+        dense_per_seed: vision: train the dense model afresh per seed (the checkpoint's settings and epochs).
+        reference: vision: what degradation is measured against: continued (the dense model trained on for as many epochs as the pruning schedule retrains, without pruning; cached) or dense (the checkpoint as it is).
         baseline: the method every other is paired with (default: the first).
-        granularities: run every method at each of these granularities (default: pruning's, weight).
-        deploy: measure each network's size, MACs and CPU latency beside the dense one's.
+        granularities: vision: run every method at each of these granularities, e.g. [weight, channel] (default: pruning.granularity, weight); with channel the table gets a granularity column.
+        deploy: vision: measure each network's size, MACs and CPU latency (PyTorch, ONNX Runtime) beside the dense one's (columns params (M), MB, MMACs, ms/img ...; a few seconds per cell).
     """
 
     methods: list[str]
