@@ -273,3 +273,22 @@ def test_streamed_writes_the_files_memory_writes_and_measures_them_as_loaded_bac
                        "true", *FAST, *texts]) == 0
     evaluated = json.loads((tmp_path / "eval" / "report.json").read_text())
     assert evaluated["metrics"]["perplexity"] == pytest.approx(report["metrics"]["perplexity"], rel=1e-5)
+
+
+def test_a_quantized_run_under_torchrun_measures_the_loaded_folder_on_every_rank(llama_folder, tmp_path, one_thread):
+    """``--quantize w4a16`` in memory on two ranks: rank 0 writes the folder, and every rank
+    measures its share of the windows and pairs on the model loaded back from those files, so the
+    figures are one process's (a rank measuring its float model would move them)."""
+    from test_torchrun import finish, torchrun
+
+    run = ["sparsegpt", "--model", str(llama_folder / "dense"), "--sparsity", "0.5", "--quantize", "w4a16", *FAST,
+           "--eval_text", str(llama_folder / "eval.txt")]
+    finish(torchrun([*run, "--output", "A"], tmp_path / "a"))
+    assert prune_main([*run, "--output", str(tmp_path / "b" / "B")]) == 0
+    two, one = (json.loads((tmp_path / d / "report.json").read_text()) for d in ("a/A", "b/B"))
+    assert two["quantization"] == one["quantization"]
+    assert two["metrics"] == one["metrics"] and two["ci"] == one["ci"] and two["paired"] == one["paired"]
+    float_run = ["sparsegpt", "--model", str(llama_folder / "dense"), "--sparsity", "0.5", *FAST,
+                 "--eval_text", str(llama_folder / "eval.txt"), "--output", str(tmp_path / "f")]
+    assert prune_main(float_run) == 0  # the figures the quantized model is measured apart from
+    assert json.loads((tmp_path / "f" / "report.json").read_text())["metrics"]["perplexity"] != one["metrics"]["perplexity"]

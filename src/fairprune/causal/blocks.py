@@ -255,26 +255,30 @@ class Resident(BlockModel):
         and the ``weights`` facts of the files written. That model is this one (pruned in place),
         or with ``quantize`` (w4a16, w8a16, their -gptq forms: :mod:`fairprune.hub.quantized`) the one plain
         ``from_pretrained`` loads back from ``out``, in this model's dtype, so the figures are
-        those of the folder as it ships."""
+        those of the folder as it ships (under ``torchrun`` every rank loads the folder rank 0
+        wrote: its staging folder must be readable by every rank, as a streamed run's is)."""
         from fairprune.hub.checks import check_result
         from fairprune.hub.compressed import save_weights
 
         check_result(self.model, output, method)
-        if out is None:
-            return self, None
-        quantize, progress = options.quantize, options.progress
-        if quantize != "none":
-            from fairprune.hub.quantized import load_quantized, save_quantized
-
-            scales = self.quantizer.scales if self.quantizer is not None else None
-            weights = save_quantized(self.model, out, quantize, options.quant_group_size, layers=self.layers(),
-                                     progress=progress, scales=scales)
+        if options.quantize == "none":
+            if out is None:
+                return self, None
+            weights = save_weights(self.model, out, options.save_format, options.nm, self.layers())
             tokenizer.save_pretrained(out)
-            loaded = load_quantized(out, self.dtype, options.trust_remote_code, progress=progress)
-            return Resident(loaded, source=self.source), weights
-        weights = save_weights(self.model, out, options.save_format, options.nm, self.layers())
-        tokenizer.save_pretrained(out)
-        return self, weights
+            return self, weights
+        from fairprune.distributed import broadcast_text
+        from fairprune.hub.quantized import load_quantized, save_quantized
+
+        weights = None
+        if out is not None:
+            scales = self.quantizer.scales if self.quantizer is not None else None
+            weights = save_quantized(self.model, out, options.quantize, options.quant_group_size, layers=self.layers(),
+                                     progress=options.progress, scales=scales)
+            tokenizer.save_pretrained(out)
+        folder = broadcast_text(None if out is None else str(out))  # torchrun: every rank loads rank 0's files
+        loaded = load_quantized(folder, self.dtype, options.trust_remote_code, progress=options.progress and out is not None)
+        return Resident(loaded, source=self.source), weights
 
     @contextlib.contextmanager
     def runnable(self, device) -> Iterator[nn.Module]:

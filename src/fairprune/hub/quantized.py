@@ -169,8 +169,18 @@ def save_quantized(model: nn.Module, folder: str | os.PathLike, quantize: str, g
     return the ``weights`` facts of the folder with its ``quantization`` facts inside. ``scales``:
     a layer's scales by full module name where GPTQ chose them (its weights on their grid),
     else they come from the weights."""
-    with _quiet_bars(progress):
+    with _quiet_bars(progress), _alone():
         return _save_quantized(model, folder, quantize, group_size, linear_layers(layers), scales or {})
+
+
+def _alone():
+    """A context in which compressed-tensors works in this process alone. In an initialised process
+    group (``torchrun``) it would share compressing or decompressing a model among the ranks and
+    send the parts between them as pickled objects; here rank 0 writes a folder by itself and every
+    rank loads it by itself."""
+    from compressed_tensors.offload.utils import as_single_threaded
+
+    return as_single_threaded()
 
 
 def _save_quantized(model: nn.Module, folder: str | os.PathLike, quantize: str, group_size: int,
@@ -307,7 +317,7 @@ def load_quantized(folder: str | os.PathLike, dtype: torch.dtype | None = None, 
     from transformers import AutoModelForCausalLM
 
     kwargs = {} if dtype is None else {"dtype": dtype}
-    with warnings.catch_warnings(), _quiet_bars(progress):  # "You passed `quantization_config` ...": the option is the point
+    with warnings.catch_warnings(), _quiet_bars(progress), _alone():  # "You passed `quantization_config` ...": the option is the point
         warnings.simplefilter("ignore", UserWarning)
         return AutoModelForCausalLM.from_pretrained(str(folder), trust_remote_code=trust_remote_code,
                                                     quantization_config=dequantizing(), **kwargs).eval()
