@@ -46,6 +46,48 @@ SPECS: dict[str, tuple[type, type, dict[str, Any]]] = {
 }
 
 
+# Mixture-of-experts families (transformers 5 fuses their experts into 3-D parameters): four small
+# experts, two per token. Kept apart from SPECS, whose families every dense test runs.
+_MOE_SHAPE = dict(num_hidden_layers=2, hidden_size=64, intermediate_size=32, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64, num_experts_per_tok=2, **TOKENS)
+MOE_SPECS: dict[str, dict[str, Any]] = {
+    "mixtral": dict(_MOE_SHAPE, num_local_experts=4),
+    "qwen3_moe": dict(_MOE_SHAPE, num_experts=4, moe_intermediate_size=32, head_dim=16),
+    "qwen2_moe": dict(_MOE_SHAPE, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32),
+    "olmoe": dict(_MOE_SHAPE, num_experts=4),
+    "gpt_oss": dict(_MOE_SHAPE, num_local_experts=4, head_dim=16, layer_types=["sliding_attention", "full_attention"]),
+}
+
+
+def moe_model(model_type: str, vocab: int = VOCAB, **overrides: Any) -> tf.PreTrainedModel:
+    """The tiny ``model_type`` mixture-of-experts model (seed torch first), from its config."""
+    fields = {**MOE_SPECS[model_type], "vocab_size": vocab, **overrides}
+    return tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(model_type, **fields))
+
+
+def lm_folder(root, model: Callable[[int, int], tf.PreTrainedModel], name: str = "dense") -> str:
+    """``model(vocab, eos_id)`` saved with a BPE tokenizer trained on the bundled corpus in
+    ``root / name``, the corpus's validation text in ``root / "eval.txt"``; returns the folder."""
+    from fairprune.data.text import lm_corpus, train_bpe_tokenizer
+
+    corpus = lm_corpus(train_docs=40, validation_docs=6, seed=3)
+    tokenizer = train_bpe_tokenizer(corpus.train, 300, root / "tok")
+    built = model(len(tokenizer), tokenizer.eos_token_id)
+    built.save_pretrained(root / name)
+    tokenizer.save_pretrained(root / name)
+    (root / "eval.txt").write_text(corpus.validation)
+    return str(root / name)
+
+
+def moe_folder(root, model_type: str, **overrides: Any) -> str:
+    """The tiny ``model_type`` mixture-of-experts model saved with a trained tokenizer (:func:`lm_folder`)."""
+    import torch
+
+    torch.manual_seed(0)
+    return lm_folder(root, lambda vocab, eos: moe_model(model_type, vocab, bos_token_id=eos, eos_token_id=eos,
+                                                        pad_token_id=eos, **overrides))
+
+
 def builder(model_type: str, **overrides: Any) -> Callable[[], tf.PreTrainedModel]:
     """A zero-argument function building the tiny ``model_type`` model, config fields overridden."""
     model_class, config_class, fields = SPECS[model_type]

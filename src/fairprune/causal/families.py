@@ -103,6 +103,17 @@ class Family:
         """The prunable ``nn.Linear`` / ``Conv1D`` layers of one block, by relative name."""
         return {path: _get(block, path) for path in self.linears}
 
+    def block_units(self, block: nn.Module) -> dict[str, nn.Module]:
+        """What the LM methods prune in one block, by relative name: its linear layers but the
+        routers (:func:`fairprune.causal.experts.is_router`), then every expert of every fused
+        expert parameter as a layer of its own (:class:`fairprune.causal.experts.ExpertSlice`,
+        named ``"<parameter>.<expert>"``)."""
+        from fairprune.causal.experts import expert_slices, has_experts, is_router
+
+        moe = has_experts(block)
+        units = {path: layer for path, layer in self.block_linears(block).items() if not is_router(path, moe)}
+        return {**units, **expert_slices(block)}
+
     def attention_out(self, block: nn.Module) -> nn.Module:
         """The attention output projection (its input is the concatenation of all heads)."""
         self.require_heads()

@@ -38,6 +38,7 @@ from tqdm.auto import tqdm
 
 from fairprune import distributed
 from fairprune.causal.blocks import as_blocks
+from fairprune.causal.experts import ExpertInputs, ExpertSlice, num_experts
 from fairprune.causal.forward import BlockInput, CalibInput, call_block, capture_block_inputs, run_block
 
 #: Aligned pairs per calibration batch: one forward of 2·32 sentences, one statistics term.
@@ -111,22 +112,33 @@ def run_layerwise(
     progress: bool = True,
     desc: str = "pruning",
     after: Callable[[int, nn.Module, dict[str, nn.Module]], None] | None = None,
-) -> None:
+    moe_calibrate: str = "all",
+) -> dict[str, Any]:
     """Calibrate and prune block after block, each block loaded for its turn; layer names are
     ``"<block>.<path>"``. ``model``: an ``nn.Module`` or a block model (resident or streamed, see
     :mod:`fairprune.causal.blocks`). ``inputs`` None (with ``make_stat`` None): a method that
     prunes from the weights alone, no calibration pass. ``after(index, block, layers)`` runs
-    once a block is solved, while it is still loaded (a streamed run writes it then)."""
+    once a block is solved, while it is still loaded (a streamed run writes it then).
+
+    A block's units are :meth:`~fairprune.causal.families.Family.block_units`: its linear layers
+    (routers left out) and each expert of its fused expert parameters, calibrated from that
+    expert's own inputs (:class:`~fairprune.causal.experts.ExpertInputs`, ``moe_calibrate`` all or
+    routed). An expert that no calibration token reached gets ``None`` for its statistic (the
+    caller prunes it from its weights alone). Returns the tokens each expert was routed and
+    calibrated on: ``{"routed": {"<block>.<experts>": [...]}, "calibrated": {"<block>.<param>":
+    [...]}}`` (empty for a dense model)."""
     blocks = as_blocks(model)
+    tokens: dict[str, dict[str, list[int]]] = {"routed": {}, "calibrated": {}}
     was_training = blocks.model.training
     blocks.model.eval()
     batches = capture_block_inputs(blocks, inputs, device) if inputs is not None else None
     for index, block in enumerate(tqdm(blocks.blocks, desc=desc, disable=not progress, unit="block")):
         with blocks.loaded(block, device=device):
-            layers = {f"{index}.{name}": layer for name, layer in blocks.family.block_linears(block).items()}
+            layers = {f"{index}.{name}": layer for name, layer in blocks.family.block_units(block).items()}
             stats = {name: make_stat(name, layer) for name, layer in layers.items()} if batches is not None else {}
             if batches is not None:
                 _collect(index, block, layers, stats, batches)
+                _collect_experts(index, block, stats, batches, moe_calibrate, tokens)
             for name, layer in layers.items():
                 prune(name, layer, stats.pop(name, None))
             if batches is not None and index + 1 < len(blocks.blocks):
@@ -134,6 +146,60 @@ def run_layerwise(
             if after is not None:
                 after(index, block, layers)
     blocks.model.train(was_training)
+    return tokens
+
+
+def _collect_experts(index: int, block: nn.Module, stats: dict, batches: list[BlockInput], mode: str,
+                     tokens: dict[str, dict[str, list[int]]]) -> None:
+    """Feed each expert's statistic with the inputs that expert reads (``mode`` all: every token;
+    routed: the tokens the router sends it), one more run of the batches through ``block``; an
+    expert no counted token reached (over every rank) gets ``None``."""
+    recorder = ExpertInputs(block, mode)
+    if not recorder.fused:
+        return
+    current: list[CalibInput] = []
+    calibrated: dict[str, int] = {}
+
+    def rows():
+        source = current[0]
+        return source.mask if mode == "routed" and source.mask is not None else None
+
+    def sink(path: str, expert: int, x: torch.Tensor) -> None:
+        name, source = f"{index}.{path}.{expert}", current[0]
+        x = x.detach()
+        if mode == "all":  # every token in order: the batch's own layout, its mask applies
+            x = x.reshape(*source.ids.shape, x.shape[-1])
+            counted = int(source.mask.sum()) if source.mask is not None else source.ids.numel()
+            if source.paired:
+                x0, x1 = x.chunk(2)
+                stats[name].add_pair(x0, x1, source.mask)
+            else:
+                stats[name].add_batch(x, source.mask)
+        else:
+            counted = len(x)
+            if counted:
+                stats[name].add_batch(x.unsqueeze(0))
+        calibrated[name] = calibrated.get(name, 0) + counted
+
+    with recorder.recording(sink, rows):
+        for b in batches:
+            current[:] = [b.source]
+            call_block(index, block, b)
+    names = [f"{index}.{f.path}.{e}" for f in recorder.fused for e in range(num_experts(block, f))]
+    counts = torch.tensor([float(calibrated.get(n, 0)) for n in names], dtype=torch.float64)
+    routed = {path: counts_of.to(torch.float64) for path, counts_of in recorder.routed.items()}
+    if distributed.world()[1] > 1:
+        distributed.all_reduce_sum(counts)
+        for path in routed:
+            distributed.all_reduce_sum(routed[path])
+    for name, count in zip(names, counts.tolist()):
+        if count == 0:
+            stats[name] = None
+    for path, value in routed.items():
+        tokens["routed"][f"{index}.{path}"] = [int(v) for v in value.tolist()]
+    for f in recorder.fused:
+        tokens["calibrated"][f"{index}.{f.path}"] = [int(c) for n, c in zip(names, counts.tolist())
+                                                     if n.startswith(f"{index}.{f.path}.")]
 
 
 def _collect(index: int, block: nn.Module, layers: dict, stats: dict, batches: list[BlockInput], share: bool = True) -> None:
@@ -173,7 +239,8 @@ def _collect(index: int, block: nn.Module, layers: dict, stats: dict, batches: l
 
         return hook
 
-    handles = [layer.register_forward_hook(hook_for(i, name)) for i, (name, layer) in enumerate(layers.items())]
+    handles = [layer.register_forward_hook(hook_for(i, name)) for i, (name, layer) in enumerate(layers.items())
+               if not isinstance(layer, ExpertSlice)]  # experts: _collect_experts
     try:
         for b in batches:
             current[:] = [b.source]

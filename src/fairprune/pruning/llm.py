@@ -25,6 +25,7 @@ from torch import nn
 
 from fairprune import distributed
 from fairprune.causal.blocks import as_blocks
+from fairprune.causal.experts import fused_experts
 from fairprune.causal.families import Family, family_of, linear_weight, set_linear_weight
 from fairprune.data.pairs import LMTexts
 from fairprune.data.text import document_start
@@ -89,9 +90,12 @@ def solve_layer(entry: Method, layer: nn.Module, stat, sparsity: Sparsity, setti
     buffers come (pass it straight from its container, holding no other reference). Collective
     under ``torchrun``: every rank solved from the same reduced statistics; rank 0's result makes
     them identical."""
-    value = None if stat is None else stat.value()
-    stat = None
-    W = entry.select(linear_weight(layer), value, sparsity, **settings)
+    if stat is None and entry.statistic is not None:  # an expert no calibration token reached
+        W = magnitude_solve(linear_weight(layer), None, sparsity)
+    else:
+        value = None if stat is None else stat.value()
+        stat = None
+        W = entry.select(linear_weight(layer), value, sparsity, **settings)
     set_linear_weight(layer, distributed.broadcast(W.contiguous()))
 
 
@@ -134,6 +138,12 @@ def prune_causal_lm(
 
     Under ``torch.distributed`` every rank passes the same full ``calib_ids`` / ``pairs`` and
     calibrates on its share of the batches; all ranks end with one process's weights.
+
+    Mixture-of-experts blocks: each expert of a fused expert parameter is pruned as a layer of its
+    own, from its own inputs (``solver.moe_calibrate``: ``all`` sends every calibration token
+    through every expert, ``routed`` gives each expert the tokens its router sends it; a paired
+    method needs ``all``). An expert that no calibration token reached (routed) is pruned by
+    magnitude, and the result's ``experts`` says which and the tokens each expert saw.
     """
     start = time.perf_counter()
     entry = registry.get(method, "lm")
@@ -141,6 +151,10 @@ def prune_causal_lm(
     blocks._digest = None  # its weights change: a digest taken before no longer holds
     family = blocks.family
     _validate(blocks.model, family, entry, sparsity, calib_ids, pairs)
+    moe = any(fused_experts(block) for block in blocks.blocks[:1])
+    if moe and entry.paired and solver.moe_calibrate != "all":
+        raise UserError(f"{method} compares both sides of each pair inside the same expert, so it calibrates with every "
+                        f"token through every expert: drop --moe_calibrate {solver.moe_calibrate} (or give all)")
     gptq = blocks.quantizer if blocks.quantizer is not None and blocks.quantizer.gptq else None
     if gptq is not None and calib_ids is None and pairs is None:
         raise UserError(f"--quantize {gptq.quantize} compensates from the layer Hessian: it needs calibration data "
@@ -179,8 +193,9 @@ def prune_causal_lm(
 
     calibrated = entry.statistic is not None or gptq is not None
     inputs = rank_inputs(calib_ids, pairs, batching.windows, batching.pairs) if calibrated else None  # this rank's share
-    run_layerwise(blocks, inputs, device, make_stat if calibrated else None, prune,
-                  progress and distributed.is_main(), desc=method, after=solved)
+    tokens = run_layerwise(blocks, inputs, device, make_stat if calibrated else None, prune,
+                           progress and distributed.is_main(), desc=method, after=solved,
+                           moe_calibrate=solver.moe_calibrate)
     if writer is not None:
         for name in writer.missing():  # the front, the final norm, the head: as they are
             writer.write(name, blocks.read_output(name))
@@ -194,7 +209,17 @@ def prune_causal_lm(
         "dense_zero_fraction": sum(r["zeros"] for r in dense_rows) / total if total else 0.0,
         "layers": {r["layer"]: r["sparsity"] for r in rows},
         "seconds": {"solve": solve_seconds[0], "total": time.perf_counter() - start},
+        **({"experts": _expert_facts(tokens, solver.moe_calibrate if calibrated else None)} if moe else {}),
     }
+
+
+def _expert_facts(tokens: dict, mode: str | None) -> dict[str, Any]:
+    """A mixture-of-experts run's ``experts`` facts: how experts were calibrated, the tokens the
+    router sent each expert and those each was calibrated on, and the experts pruned by magnitude
+    for want of any token."""
+    fallback = [f"{param}.{e}" for param, counts in tokens["calibrated"].items() for e, c in enumerate(counts) if c == 0]
+    return {"calibrate": mode, "routed_tokens": tokens["routed"], "calibrated_tokens": tokens["calibrated"],
+            "magnitude_fallback": fallback}
 
 
 def block_targets(model: nn.Module, family: Family) -> list[Target]:
@@ -236,7 +261,7 @@ def _check_nm_widths(model: nn.Module, family: Family, nm: tuple[int, int]) -> N
     n, m = nm
     widths: dict[int, str] = {}  # input width → the first layer that has it
     for index, block in enumerate(family.block_list(model)):
-        for name, layer in family.block_linears(block).items():
+        for name, layer in family.block_units(block).items():
             widths.setdefault(int(linear_weight(layer).shape[1]), f"{index}.{name}")
     bad = [w for w in widths if w % m]
     if bad:
@@ -278,9 +303,9 @@ def _check_float_weights(model, family) -> None:
     integers were values."""
     names = {id(m): n for n, m in model.named_modules()}
     for block in family.block_list(model):
-        for layer in family.block_linears(block).values():
+        for path, layer in family.block_units(block).items():
             if not layer.weight.is_floating_point():
-                raise UserError(f"weight {names[id(layer)]}.weight is {layer.weight.dtype}, not floating point: only "
+                raise UserError(f"weight {names.get(id(layer), path)}.weight is {layer.weight.dtype}, not floating point: only "
                                 "float weights can be pruned (a quantized model cannot); give the model in float16, "
                                 "bfloat16 or float32")
 

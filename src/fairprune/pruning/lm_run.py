@@ -40,6 +40,8 @@ import torch
 
 from fairprune import distributed
 from fairprune.causal.blocks import SaveOptions
+from fairprune.causal.written import check_written, measure_written
+from fairprune.causal.written import summary as written_summary
 from fairprune.data.pairs import LMTexts
 from fairprune.data.text import calibration_ids, paired_ids
 from fairprune.hub import resolve_device
@@ -176,6 +178,10 @@ def prune_run(blocks, method: str, sparsity: Sparsity, output: str | Path, measu
                                  quant_group_size=lm.quant_group_size, trust_remote_code=lm.trust_remote_code,
                                  progress=progress)
             pruned, weights = blocks.save(out, output, tokenizer, writer, method, saving)
+            written = None
+            if out is not None:  # what the files hold, before anything is measured on them
+                written = measure_written(out, blocks)
+                check_written(written, float(sparsity.fraction), output)
         finally:
             if writer is not None:
                 writer.abort()
@@ -199,6 +205,11 @@ def prune_run(blocks, method: str, sparsity: Sparsity, output: str | Path, measu
                      "evaluate": dense_seconds + (end - pruned_at), "total": load_seconds + dense_seconds + end - start},
             threads=torch.get_num_threads(), stream=blocks.streamed, weights=weights, memory=memory))
         report["reference"]["seconds"] = dense.seconds
+        report["achieved_sparsity"] = written["achieved"]
+        report["sparsity"].update(achieved=written["achieved"], solver_achieved=result["achieved_sparsity"],
+                                  **{k: v for k, v in written.items() if k not in ("achieved", "units")})
+        if "experts" in result:
+            report["experts"] = result["experts"]
         if reuse is not None:  # pruned by the float run in that folder, then quantized here
             report["pruned_from"] = str(reuse.folder)
         if quantization is not None:  # the figures above are the loaded-back quantized model's
@@ -214,6 +225,7 @@ def prune_run(blocks, method: str, sparsity: Sparsity, output: str | Path, measu
         replace_folder(output, write, owned=RUN_FILES)
         memory = report["memory"]
         print(pruned_line(method, report, output), flush=True)
+        print(f"[{method}] sparsity as written, by kind: {written_summary(report['sparsity'])}", flush=True)
         label = method if report.get("quantization") is None else f"{method} + {report['quantization']['scheme']}"
         print(f"[{label}] {weights_summary({**report['weights'], 'quantization': report.get('quantization')})}; {'streamed' if blocks.streamed else 'in memory'} in "
               f"{dtype_name(blocks.dtype)}, peak resident memory {megabytes(memory['peak_rss_bytes'])} "

@@ -159,12 +159,16 @@ class SolverOptions:
     Args:
         percdamp: damping added to diag(H), as a fraction of its mean.
         blocksize: columns solved per block.
+        moe_calibrate: mixture-of-experts models: all (every calibration token through every expert: each expert's statistics from every token; Debias-SparseGPT needs it) or routed (each expert from the tokens its router sends it; an expert that gets none is pruned by magnitude). Dense models: ignored.
     """
 
     percdamp: float = 0.01
     blocksize: int = 128
+    moe_calibrate: str = "all"
 
     def __post_init__(self) -> None:
+        if self.moe_calibrate not in ("all", "routed"):
+            raise UserError(f"--moe_calibrate must be all or routed, got {self.moe_calibrate!r}")
         if self.percdamp < 0 or self.blocksize < 1:
             raise UserError(f"--percdamp must be >= 0 and --blocksize >= 1, got {self.percdamp} and {self.blocksize}")
 
