@@ -39,6 +39,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from fairprune.errors import UserError
+
 MOE_CALIBRATE = ("all", "routed")
 ROUTER_NAMES = ("gate", "router", "gating")
 
@@ -206,3 +208,16 @@ class ExpertInputs:
         finally:
             for handle in handles:
                 handle.remove()
+
+
+def refuse_quantize(blocks, quantize: str) -> None:
+    """``--quantize`` on a model with fused expert parameters, refused before any work:
+    compressed-tensors' pack-quantized format quantizes linear layers, and a folder whose experts
+    stay fused float parameters beside them does not load back in transformers."""
+    if quantize == "none":
+        return
+    found = next((f"{blocks.prefix(b)}{f.path}" for b in blocks.blocks[:1] for f in fused_experts(b)), None)
+    if found is not None:
+        raise UserError(f"--quantize {quantize} writes linear layers as compressed-tensors pack-quantized, and "
+                        f"{blocks.source}'s experts are fused 3-D parameters ({found}) that format does not hold: a "
+                        "mixture-of-experts model is pruned and written in float here; drop --quantize")

@@ -124,8 +124,25 @@ class StreamedModel(BlockModel):
                 if candidate in self.reader:
                     self._keys[name] = candidate
                     return candidate
+        stored = self._converted(name)
+        if stored:
+            raise UserError(f"'{self.source}' stores {name} as {stored[0]}{' and more' if len(stored) > 1 else ''}, which "
+                            "transformers converts when it loads the model (renamed or fused tensors, e.g. fused "
+                            "experts); streaming reads tensors under the model's own names: run with --stream false")
         raise UserError(f"the weights of '{self.source}' hold no tensor for {name}; the safetensors files do not "
                         "match the folder's config.json")
+
+    def _converted(self, name: str) -> list[str]:
+        """The checkpoint names transformers' conversion gives parameter ``name`` that this folder
+        holds (empty: none, or no conversion)."""
+        try:
+            from transformers.core_model_loading import revert_weight_conversion
+
+            shape = self.model.get_parameter(name).shape
+            return [k for k in revert_weight_conversion(self.model, {name: torch.empty(shape, device="meta")})
+                    if k != name and k in self.reader]
+        except Exception:  # noqa: BLE001 - no conversion known for it: the plain message
+            return []
 
     def output_tensors(self) -> dict[str, torch.Tensor]:
         """What ``save_pretrained`` of the loaded model writes, by name, in its order (meta tensors

@@ -133,7 +133,10 @@ def _quantizer(blocks, lm: LMOptions):
     """``--quantize``'s plan for the run (None without it): the scheme and the model's one group size."""
     if lm.quantize == "none":
         return None
+    from fairprune.causal.experts import refuse_quantize
     from fairprune.hub.quantized import check_groups, linear_layers
+
+    refuse_quantize(blocks, lm.quantize)
     from fairprune.pruning.gptq import LayerQuantizer
 
     groups = check_groups(linear_layers(blocks.layers()), lm.quant_group_size)

@@ -108,7 +108,14 @@ def _lm_body(report: Mapping[str, Any]) -> list[str]:
     if "achieved_sparsity" in report or sparsity:
         rows.append(["sparsity (prunable weights zero)", _cell(sparsity, "dense_zero_fraction"),
                      _cell(report, "achieved_sparsity"), "–"])
+        rows += [[f"sparsity as written: {kind}", "–", _cell(_mapping(facts), "sparsity"), "–"]
+                 for kind, facts in _mapping(sparsity.get("by_kind")).items() if _mapping(facts).get("pruned_numel")]
     lines = ["## Before and after pruning", "", _table(["figure", "reference", "this model", "change"], rows), ""]
+    left = [d for d in sparsity.get("left_dense") or [] if isinstance(d, Mapping)]
+    if left:
+        kinds = sorted({str(d.get("kind")) for d in left})
+        lines += [f"Left dense: {len(left)} block parameters ({', '.join(kinds)}); each with its reason in "
+                  "report.json (`sparsity.left_dense`). The sparsity rows are measured on the weights as written.", ""]
     lines += _marks_notes(marks)
     if "stereotype_score" in metrics:
         lines += ["Stereotype score: the share of sentence pairs where the model prefers the stereotypical "

@@ -75,8 +75,10 @@ def _open(lm: LMOptions, machine: MachineOptions, calibration: bool = True) -> t
 def _check_quantize(blocks, lm: LMOptions) -> None:
     """``--quantize`` against the model's block layers (Linear, a group size for each), before any work."""
     if lm.quantize != "none":
+        from fairprune.causal.experts import refuse_quantize
         from fairprune.hub.quantized import check_groups, linear_layers
 
+        refuse_quantize(blocks, lm.quantize)
         check_groups(linear_layers(blocks.layers()), lm.quant_group_size)
 
 

@@ -1,0 +1,236 @@
+"""Mixture-of-experts models pruned for real, and reports measured from the written weights.
+
+Tiny random models built from the transformers configs of Mixtral, Qwen3-MoE, OLMoE, Qwen2-MoE and
+gpt-oss (fused 3-D expert parameters in transformers 5): every expert at the target sparsity in the
+files, the report equal to what the files hold, one expert's SparseGPT solve equal to the OBS
+oracle fed by exactly that expert's inputs, an expert no token reached pruned by magnitude, the
+check that stops a run whose written weights miss the target, and the one-line refusals.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import re
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from test_llm_pruning import obs_oracle
+from tiny_models import BUILDERS, MOE_SPECS, VOCAB, moe_folder, moe_model
+
+from fairprune.causal.blocks import Resident
+from fairprune.causal.written import check_written, measure_written
+from fairprune.cli.prune import main as prune_main
+from fairprune.errors import UserError
+from fairprune.pruning.llm import magnitude_solve, prune_causal_lm
+from fairprune.pruning.options import SolverOptions
+from fairprune.pruning.sparsity import Sparsity
+
+FAST = ["--nsamples", "4", "--seqlen", "32", "--eval_tokens", "256", "--device", "cpu", "--quiet", "true",
+        "--dense_cache", "false"]
+
+
+def _texts(root) -> list[str]:
+    return ["--calib_text", str(root / "eval.txt"), "--eval_text", str(root / "eval.txt")]
+
+
+def _per_expert(folder) -> dict[tuple[str, int], list[int]]:
+    """(experts module, expert) -> [zeros, numel] over the written tensors, read with safetensors alone."""
+    out: dict[tuple[str, int], list[int]] = {}
+    for key, t in load_file(str(folder / "model.safetensors")).items():
+        if "shared" in key or key.endswith("bias"):
+            continue
+        listed = re.search(r"^(.*\.experts)\.(\d+)\.", key)
+        if listed:
+            z = out.setdefault((listed.group(1), int(listed.group(2))), [0, 0])
+            z[0], z[1] = z[0] + int((t == 0).sum()), z[1] + t.numel()
+        elif t.dim() == 3:
+            for e in range(t.shape[0]):
+                z = out.setdefault((key.rsplit(".", 1)[0], e), [0, 0])
+                z[0], z[1] = z[0] + int((t[e] == 0).sum()), z[1] + t[e].numel()
+    return out
+
+
+@pytest.mark.parametrize("family", sorted(MOE_SPECS))
+def test_every_expert_is_pruned_and_the_report_states_the_files(tmp_path, family):
+    folder = moe_folder(tmp_path, family)
+    out = tmp_path / "out"
+    assert prune_main(["sparsegpt", "--model", folder, "--sparsity", "0.5", "--output", str(out),
+                       *FAST, *_texts(tmp_path)]) == 0
+    experts = _per_expert(out)
+    assert len(experts) == 2 * 4  # two blocks of four experts
+    assert all(z / n >= 0.49 for z, n in experts.values()), experts
+    report = json.loads((out / "report.json").read_text())
+    sparsity = report["sparsity"]
+    assert sparsity["measured_on"] == "the written weights"
+    assert sparsity["by_kind"]["experts"]["sparsity"] == pytest.approx(
+        sum(z for z, _ in experts.values()) / sum(n for _, n in experts.values()))
+    assert [len(v) for v in sparsity["experts"].values()] == [4, 4]
+    assert "router" in {d["kind"] for d in sparsity["left_dense"]}
+    assert sparsity["by_kind"]["router"]["pruned_numel"] == 0
+    assert report["achieved_sparsity"] == pytest.approx(0.5, abs=0.01)
+    assert report["experts"]["calibrate"] == "all" and not report["experts"]["magnitude_fallback"]
+    assert math.isfinite(report["metrics"]["perplexity"])
+    if family == "qwen2_moe":  # the shared expert is an MLP like any; its one-output gate is a router
+        assert sparsity["by_kind"]["shared_experts"]["sparsity"] == pytest.approx(0.5, abs=0.01)
+        assert any(d["parameter"].endswith("shared_expert_gate.weight") for d in sparsity["left_dense"])
+    card = (out / "README.md").read_text()
+    assert "sparsity as written: experts" in card and "Left dense" in card
+
+
+def _experts_inputs(model, ids):
+    """Block 0's experts module input (hidden states, routing), from the dense model's own forward."""
+    seen = {}
+    experts = model.model.layers[0].mlp.experts
+
+    def grab(module, args, kwargs):
+        seen["args"] = [a.detach().clone() for a in args]
+
+    handle = experts.register_forward_pre_hook(grab, with_kwargs=True)
+    with torch.no_grad():
+        model(input_ids=ids)
+    handle.remove()
+    return seen["args"][0], seen["args"][1]
+
+
+@pytest.mark.parametrize("mode", ["routed", "all"])
+def test_one_expert_solve_equals_the_obs_oracle_on_its_own_inputs(mode):
+    torch.manual_seed(0)
+    model = moe_model("mixtral").double().eval()
+    model.config._experts_implementation = "eager"  # the grouped kernel takes no float64
+    dense = copy.deepcopy(model)
+    ids = torch.randint(1, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+    hidden, index = _experts_inputs(dense, ids)
+    prune_causal_lm(model, "sparsegpt", Sparsity.parse(0.5), ids, solver=SolverOptions(moe_calibrate=mode), progress=False)
+    experts = dense.model.layers[0].mlp.experts
+    for e in range(4):
+        x = hidden[(index == e).any(-1)] if mode == "routed" else hidden
+        assert len(x) and (mode == "all" or len(x) < len(hidden))
+        gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+        act = experts.act_fn(gate) * up
+        for name, inputs in (("gate_up_proj", x), ("down_proj", act)):
+            W = getattr(experts, name)[e].detach()
+            want = obs_oracle(W, 2 / len(inputs) * inputs.T @ inputs, 0.5)
+            got = getattr(model.model.layers[0].mlp.experts, name)[e].detach()
+            assert torch.equal(got == 0, want == 0), (name, e)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+    # the router is left as it was
+    assert torch.equal(model.model.layers[0].mlp.gate.weight, dense.model.layers[0].mlp.gate.weight)
+
+
+def test_an_expert_no_token_reaches_is_pruned_by_magnitude():
+    torch.manual_seed(0)
+    model = moe_model("gpt_oss").eval()
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.router.bias[3] = -1e4  # never among the top two
+    dense = copy.deepcopy(model)
+    ids = torch.randint(1, VOCAB, (4, 16), generator=torch.Generator().manual_seed(1))
+    result = prune_causal_lm(model, "wanda", Sparsity.parse(0.5), ids, solver=SolverOptions(moe_calibrate="routed"),
+                             progress=False)
+    facts = result["experts"]
+    assert facts["calibrate"] == "routed"
+    assert all(counts[3] == 0 for counts in facts["routed_tokens"].values())
+    assert {"0.mlp.experts.gate_up_proj.3", "0.mlp.experts.down_proj.3"} <= set(facts["magnitude_fallback"])
+    for name in ("gate_up_proj", "down_proj"):
+        W = getattr(dense.model.layers[0].mlp.experts, name)[3].detach().t()  # gpt-oss stores [in, out]
+        want = magnitude_solve(W, None, Sparsity.parse(0.5))
+        assert torch.equal(getattr(model.model.layers[0].mlp.experts, name)[3].detach().t(), want)
+
+
+def test_debias_needs_every_token_through_every_expert():
+    torch.manual_seed(0)
+    model = moe_model("mixtral").eval()
+    ids = torch.randint(1, VOCAB, (2, 8))
+    with pytest.raises(UserError, match="--moe_calibrate routed"):
+        prune_causal_lm(model, "debias-sparsegpt", Sparsity.parse(0.5), None, (ids, ids.flip(0)),
+                        solver=SolverOptions(moe_calibrate="routed"), progress=False)
+
+
+def test_nm_patterns_hold_in_every_expert():
+    torch.manual_seed(0)
+    model = moe_model("qwen3_moe").eval()
+    ids = torch.randint(1, VOCAB, (4, 16))
+    prune_causal_lm(model, "sparsegpt", Sparsity.parse("2:4"), ids, progress=False)
+    for layer in model.model.layers:
+        for name in ("gate_up_proj", "down_proj"):
+            W = getattr(layer.mlp.experts, name).detach()
+            assert torch.equal((W.reshape(*W.shape[:2], -1, 4) == 0).sum(-1), torch.full(W.shape[:2] + (W.shape[2] // 4,), 2))
+
+
+def test_the_written_weights_are_checked_against_the_target(tmp_path):
+    torch.manual_seed(0)
+    model = moe_model("mixtral").eval()
+    ids = torch.randint(1, VOCAB, (4, 16))
+    prune_causal_lm(model, "magnitude", Sparsity.parse(0.5), progress=False)
+    model.save_pretrained(tmp_path)
+    blocks = Resident(model)
+    measured = measure_written(tmp_path, blocks)
+    check_written(measured, 0.5, tmp_path)  # as pruned: passes
+    assert measured["achieved"] == pytest.approx(0.5, abs=1e-3)
+    files = load_file(str(tmp_path / "model.safetensors"))
+    key = next(k for k in files if k.endswith("experts.2.w2.weight"))
+    files[key] = torch.randn_like(files[key])  # one expert's down projection written dense
+    save_file(files, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    measured = measure_written(tmp_path, blocks)
+    assert min(measured["experts"]["model.layers.0.mlp.experts"] + measured["experts"]["model.layers.1.mlp.experts"]) < 0.4
+    with pytest.raises(UserError, match=r"miss the target sparsity 0\.5000: model\.layers\.\d\.mlp\.experts\.down_proj\[2\]"):
+        check_written(measured, 0.5, tmp_path)
+    del ids
+
+
+def test_a_parameter_no_method_reaches_is_listed_left_dense(tmp_path):
+    torch.manual_seed(0)
+    model = BUILDERS["llama"]().eval()
+    for layer in model.model.layers:  # a weight a block holds outside any layer the methods prune
+        layer.mlp.register_parameter("direct", torch.nn.Parameter(torch.randn(4, 8)))
+    prune_causal_lm(model, "magnitude", Sparsity.parse(0.5), progress=False)
+    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    measured = measure_written(tmp_path, Resident(model))
+    direct = [d for d in measured["left_dense"] if d["parameter"].endswith("mlp.direct")]
+    assert len(direct) == 2 and all("not reached" in d["reason"] and d["kind"] == "mlp" for d in direct)
+    assert measured["achieved"] == pytest.approx(0.5, abs=1e-3)
+    assert set(measured["by_kind"]) == {"attention", "mlp"}
+
+
+def test_quantize_on_experts_is_refused_before_work(tmp_path, capsys):
+    folder = moe_folder(tmp_path, "mixtral")
+    out = tmp_path / "q"
+    assert prune_main(["sparsegpt", "--model", folder, "--sparsity", "0.5", "--quantize", "w4a16", "--output", str(out),
+                       *FAST, *_texts(tmp_path)]) != 0
+    err = capsys.readouterr().err
+    assert "fused 3-D parameters" in err and "drop --quantize" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_streamed_experts_equal_in_memory_or_are_refused_in_one_line(tmp_path, capsys):
+    folder = moe_folder(tmp_path, "gpt_oss")  # its checkpoint names the fused experts as the model does
+    runs = {}
+    for stream in ("false", "true"):
+        runs[stream] = tmp_path / f"s{stream}"
+        assert prune_main(["sparsegpt", "--model", folder, "--sparsity", "0.5", "--stream", stream, "--output",
+                           str(runs[stream]), *FAST, *_texts(tmp_path)]) == 0
+    a, b = (load_file(str(runs[s] / "model.safetensors")) for s in ("false", "true"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    ra, rb = (json.loads((runs[s] / "report.json").read_text()) for s in ("false", "true"))
+    assert ra["sparsity"]["by_kind"] == rb["sparsity"]["by_kind"] and ra["metrics"] == rb["metrics"]
+    mixtral = moe_folder(tmp_path / "mx", "mixtral")  # its checkpoint: per-expert w1 / w2 / w3, converted on load
+    capsys.readouterr()
+    assert prune_main(["sparsegpt", "--model", mixtral, "--sparsity", "0.5", "--stream", "true", "--output",
+                       str(tmp_path / "mxs"), *FAST, *_texts(tmp_path)]) != 0
+    err = capsys.readouterr().err
+    assert "transformers converts when it loads" in err and "--stream false" in err and "Traceback" not in err
+
+
+def test_evaluate_tasks_on_a_pruned_moe_model(tmp_path):
+    folder = moe_folder(tmp_path, "olmoe")
+    out = tmp_path / "pruned"
+    assert prune_main(["wanda", "--model", folder, "--sparsity", "0.5", "--output", str(out), *FAST,
+                       *_texts(tmp_path)]) == 0
+    assert prune_main(["evaluate", "--model", str(out), "--tasks", "[hellaswag]", "--limit", "4", "--output",
+                       str(tmp_path / "ev"), *FAST, *_texts(tmp_path)]) == 0
+    report = json.loads((tmp_path / "ev" / "report.json").read_text())
+    assert "hellaswag/acc" in report["tasks"]["figures"] or any("hellaswag" in k for k in report["metrics"])
