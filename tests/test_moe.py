@@ -17,8 +17,6 @@ import re
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from test_llm_pruning import obs_oracle
-from tiny_models import BUILDERS, MOE_SPECS, VOCAB, moe_folder, moe_model
 
 from fairprune.causal.blocks import Resident
 from fairprune.causal.written import check_written, measure_written
@@ -27,6 +25,8 @@ from fairprune.errors import UserError
 from fairprune.pruning.llm import magnitude_solve, prune_causal_lm
 from fairprune.pruning.options import SolverOptions
 from fairprune.pruning.sparsity import Sparsity
+from test_llm_pruning import obs_oracle
+from tiny_models import BUILDERS, MOE_SPECS, VOCAB, moe_folder, moe_model
 
 FAST = ["--nsamples", "4", "--seqlen", "32", "--eval_tokens", "256", "--device", "cpu", "--quiet", "true",
         "--dense_cache", "false"]

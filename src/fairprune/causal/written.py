@@ -131,7 +131,7 @@ def measure_written(folder: str | Path, blocks) -> dict[str, Any]:
     units: dict[str, list[int]] = {}  # unit -> [zeros, numel, columns]
     experts: dict[str, dict[int, list[int]]] = {}
     left = []
-    for name, (path, shape, kind, reason) in params.items():
+    for name, (_path, shape, kind, reason) in params.items():
         keys = [k for k in names[name] if k in reader] or ([name] if name in reader else [])
         if not keys:
             keys = [blocks.key(name)] if hasattr(blocks, "key") else []
