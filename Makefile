@@ -80,6 +80,7 @@ bench: $(STAMP)
 	$(PY) bench/diff_pruning.py
 	$(PY) bench/deploy.py
 	$(PY) bench/shared_statistics.py
+	$(PY) bench/moe_calibrate.py
 
 # The documentation site (docs/, mkdocs.yml) into site/; --strict: a warning, a broken link or a page
 # missing from the nav fails the build.
