@@ -234,3 +234,37 @@ def test_evaluate_tasks_on_a_pruned_moe_model(tmp_path):
                        str(tmp_path / "ev"), *FAST, *_texts(tmp_path)]) == 0
     report = json.loads((tmp_path / "ev" / "report.json").read_text())
     assert "hellaswag/acc" in report["tasks"]["figures"] or any("hellaswag" in k for k in report["metrics"])
+
+
+def test_fasp_on_moe_attention(tmp_path):
+    from fairprune.data.prompts import holistic_prompts
+
+    folder = moe_folder(tmp_path, "mixtral")
+    holistic_prompts(["gender_and_sex"]).groupby("bucket").head(2).to_csv(tmp_path / "prompts.csv", index=False)
+    out = tmp_path / "fasp"
+    assert prune_main(["fasp", "--model", folder, "--prompts", str(tmp_path / "prompts.csv"), "--max_new_tokens", "2",
+                       "--seqlen", "32", "--device", "cpu", "--gamma", "0.25", "--alpha", "0.25", "--scorer", "lexicon",
+                       "--calib_text", str(tmp_path / "eval.txt"), "--quiet", "true", "--output", str(out)]) == 0
+    report = json.loads((out / "report.json").read_text())
+    assert len(report["heads_removed"]) == 2 and math.isfinite(report["metrics"]["perplexity"])
+
+
+def test_a_renamed_checkpoint_streams_and_writes_what_transformers_loads(tmp_path):
+    import transformers as tf
+
+    from tiny_models import lm_folder
+
+    torch.manual_seed(0)
+    folder = lm_folder(tmp_path, lambda vocab, eos: tf.GPTNeoXForCausalLM(tf.GPTNeoXConfig(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=vocab,
+        max_position_embeddings=64, bos_token_id=eos, eos_token_id=eos)))
+    assert "embed_out.weight" in load_file(f"{folder}/model.safetensors")  # GPT-NeoX's head, lm_head in the model
+    outs = {}
+    for stream in ("false", "true"):
+        outs[stream] = tmp_path / f"neox_{stream}"
+        assert prune_main(["sparsegpt", "--model", folder, "--sparsity", "0.5", "--stream", stream, "--output",
+                           str(outs[stream]), *FAST, *_texts(tmp_path)]) == 0
+    ids = torch.arange(1, 20)[None]
+    a, b = (tf.AutoModelForCausalLM.from_pretrained(outs[s]).eval() for s in ("false", "true"))
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)

@@ -125,6 +125,9 @@ class StreamedModel(BlockModel):
                     self._keys[name] = candidate
                     return candidate
         stored = self._converted(name)
+        if len(stored) == 1 and self.reader.info(stored[0])[1] == tuple(self.model.get_parameter(name).shape):
+            self._keys[name] = stored[0]  # renamed on loading, nothing fused (GPT-NeoX's embed_out): read as stored
+            return stored[0]
         if stored:
             raise UserError(f"'{self.source}' stores {name} as {stored[0]}{' and more' if len(stored) > 1 else ''}, which "
                             "transformers converts when it loads the model (renamed or fused tensors, e.g. fused "
