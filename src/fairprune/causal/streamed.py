@@ -89,6 +89,7 @@ class StreamedModel(BlockModel):
         self._aliases = {name: names for names in groups.values() for name in names}
         self._keys: dict[str, str] = {}
         self.model, self.source = model, source
+        self._find_converted()
         self._check_shapes()
         # the structure is found by a skeleton forward with the front and block 0 read from the files
         super().__init__(model, source, load=self.loaded)
@@ -97,6 +98,8 @@ class StreamedModel(BlockModel):
     def _check_shapes(self) -> None:
         """Before any work: every parameter is in the checkpoint with the shape the config implies."""
         for name, param in self.model.named_parameters():
+            if name in self._sources:  # checked by _find_converted
+                continue
             shape = self.reader.info(self.key(name))[1]
             if shape != tuple(param.shape):
                 raise UserError(f"tensor {self.key(name)} of '{self.source}' has shape {list(shape)}, its config.json "
@@ -104,8 +107,8 @@ class StreamedModel(BlockModel):
 
     def _check_stored(self) -> None:
         """Before any work: the prunable layers' weights are stored as floating point."""
-        weights = [self.key(self.prefix(layer) + "weight") for block in self.blocks
-                   for layer in self.family.block_linears(block).values()]
+        weights = [key for block in self.blocks for layer in self.family.block_linears(block).values()
+                   for key in self._sources.get(self.prefix(layer) + "weight", [self.key(self.prefix(layer) + "weight")])]
         refuse_nonfloat({key: self.reader.stored_dtype(key) for key in weights}, self.source)
 
     def key(self, name: str) -> str:
@@ -124,28 +127,57 @@ class StreamedModel(BlockModel):
                 if candidate in self.reader:
                     self._keys[name] = candidate
                     return candidate
-        stored = self._converted(name)
-        if len(stored) == 1 and self.reader.info(stored[0])[1] == tuple(self.model.get_parameter(name).shape):
-            self._keys[name] = stored[0]  # renamed on loading, nothing fused (GPT-NeoX's embed_out): read as stored
-            return stored[0]
-        if stored:
-            raise UserError(f"'{self.source}' stores {name} as {stored[0]}{' and more' if len(stored) > 1 else ''}, which "
-                            "transformers converts when it loads the model (renamed or fused tensors, e.g. fused "
-                            "experts); streaming reads tensors under the model's own names: run with --stream false")
         raise UserError(f"the weights of '{self.source}' hold no tensor for {name}; the safetensors files do not "
                         "match the folder's config.json")
 
-    def _converted(self, name: str) -> list[str]:
-        """The checkpoint names transformers' conversion gives parameter ``name`` that this folder
-        holds (empty: none, or no conversion)."""
+    def _direct(self, name: str) -> str | None:
         try:
-            from transformers.core_model_loading import revert_weight_conversion
+            return self.key(name)
+        except UserError:
+            return None
 
-            shape = self.model.get_parameter(name).shape
-            return [k for k in revert_weight_conversion(self.model, {name: torch.empty(shape, device="meta")})
-                    if k != name and k in self.reader]
-        except Exception:  # noqa: BLE001 - no conversion known for it: the plain message
-            return []
+    def _find_converted(self) -> None:
+        """The parameters the checkpoint stores converted (renamed, or fused as transformers fuses
+        them when it loads: Mixtral's per-expert ``w1`` / ``w3`` into ``gate_up_proj``), with the
+        checkpoint tensors each is made from (``_sources``), checked by converting meta tensors of
+        the stored shapes (no data read); a parameter neither stored nor converted is refused."""
+        from fairprune.hub.conversion import checkpoint_names, to_model
+
+        self._sources: dict[str, list[str]] = {}
+        missing = {n: p.shape for n, p in self.model.named_parameters() if self._direct(n) is None}
+        if not missing:
+            return
+        for name, keys in checkpoint_names(self.model, missing).items():
+            if keys == [name] or not all(k in self.reader for k in keys):
+                self.key(name)  # raises: not in the files under any name
+            self._sources[name] = keys
+        stored = {k: torch.empty(self.reader.info(k)[1], device="meta") for keys in self._sources.values() for k in keys}
+        try:
+            made = to_model(self.model, stored)
+        except Exception as err:  # noqa: BLE001 - transformers' own conversion failed on these shapes
+            raise UserError(f"'{self.source}': transformers' conversion of its stored tensors failed "
+                            f"({' '.join(str(err).split())[:160]}); the files do not match the config.json") from None
+        for name, shape in missing.items():
+            if name not in made or tuple(made[name].shape) != tuple(shape):
+                got = list(made[name].shape) if name in made else "nothing"
+                raise UserError(f"the stored tensors {', '.join(self._sources[name][:2])} of '{self.source}' convert to "
+                                f"{got} for {name}, its config.json says {list(shape)}; the weights do not match the config")
+
+    def _read_converted(self, names: list[str], device="cpu") -> dict[str, torch.Tensor]:
+        """Parameters ``names`` made from their stored tensors by transformers' conversion, each in
+        its parameter's dtype on ``device``."""
+        from fairprune.hub.conversion import to_model
+
+        keys = list(dict.fromkeys(k for n in names for k in self._sources[n]))
+        dtype = self.model.get_parameter(names[0]).dtype
+        made = to_model(self.model, {k: self.reader.read(k, dtype, device) for k in keys})
+        return {n: made[n] for n in names}
+
+    @property
+    def converted(self) -> bool:
+        """Whether the checkpoint stores some parameters converted (then the output is written in
+        the checkpoint's own layout, as ``save_pretrained`` writes it)."""
+        return bool(self._sources)
 
     def output_tensors(self) -> dict[str, torch.Tensor]:
         """What ``save_pretrained`` of the loaded model writes, by name, in its order (meta tensors
@@ -159,11 +191,25 @@ class StreamedModel(BlockModel):
                 continue
             seen.update(self._aliases.get(name, [name]))
             out[name] = tensor
+        if self._sources:  # the checkpoint's own layout (its names, its unfused experts)
+            from fairprune.hub.conversion import to_checkpoint
+
+            out = to_checkpoint(self.model, out)
         try:
             from transformers.core_model_loading import dot_natural_key
         except ImportError:  # an older transformers saves in state-dict order
             return out
         return dict(sorted(out.items(), key=lambda item: dot_natural_key(item[0])))
+
+    def state_of(self, module: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+        """The (loaded) entries of ``module`` as the output files hold them: under the full module
+        names, or converted to the checkpoint's layout when it stores some converted."""
+        state = dict(super().state_of(module))
+        if self._sources:
+            from fairprune.hub.conversion import to_checkpoint
+
+            state = to_checkpoint(self.model, state)
+        yield from state.items()
 
     def num_parameters(self) -> int:
         """Parameters, a tied one once (as ``save_pretrained`` records it in the index)."""
@@ -172,7 +218,13 @@ class StreamedModel(BlockModel):
     def read_output(self, name: str) -> torch.Tensor:
         """A state-dict entry read from the checkpoint in the model's dtype (a buffer the
         checkpoint does not hold: the model's own value)."""
-        tensor = self.model.state_dict(keep_vars=True)[name]
+        state = self.model.state_dict(keep_vars=True)
+        if name not in state:  # a checkpoint name of the output (a converted layout): as stored, in the run's dtype
+            stored = self.reader.info(name)[0]
+            return self.reader.read(name, self.dtype if stored.is_floating_point else None)
+        tensor = state[name]
+        if name in self._sources:
+            return self._read_converted([name])[name]
         if tensor.device.type != "meta" and not self._stored(name):
             return tensor.detach()
         return self.reader.read(self.key(name), tensor.dtype if tensor.is_floating_point() else None)
@@ -272,7 +324,12 @@ class StreamedModel(BlockModel):
 
     def _state(self, block: nn.Module, changed: nn.Module) -> dict[str, torch.Tensor]:
         """The state-dict entries of ``changed`` (a copy of ``block``) under ``block``'s full names."""
-        return dict(changed.state_dict(prefix=self.prefix(block)))
+        state = dict(changed.state_dict(prefix=self.prefix(block)))
+        if self._sources:
+            from fairprune.hub.conversion import to_checkpoint
+
+            state = to_checkpoint(self.model, state)
+        return state
 
     def facts(self) -> dict[str, int]:
         """The sizes a report's ``memory`` records: the model's, its largest block's and the largest
@@ -323,11 +380,13 @@ class StreamedModel(BlockModel):
         try:
             for module in modules:
                 prefix = f"{names[id(module)]}." if names[id(module)] else ""
-                for name, param in list(module.named_parameters(remove_duplicate=False)):
-                    if param.device.type != "meta":
-                        continue
+                params = [(n, p) for n, p in module.named_parameters(remove_duplicate=False) if p.device.type == "meta"]
+                converted = [prefix + n for n, _ in params if prefix + n in self._sources]
+                made = self._read_converted(converted, device) if converted else {}
+                for name, param in params:
                     owner, leaf = _split(module, name)
-                    tensor = self.reader.read(self.key(prefix + name), param.dtype, device)
+                    tensor = made.pop(prefix + name) if prefix + name in made else \
+                        self.reader.read(self.key(prefix + name), param.dtype, device)
                     if tensor.shape != param.shape:
                         raise UserError(f"tensor {self.key(prefix + name)} of '{self.source}' has shape "
                                         f"{list(tensor.shape)}, the config says {list(param.shape)}")

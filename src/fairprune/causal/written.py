@@ -29,6 +29,7 @@ import torch
 
 from fairprune.causal.experts import has_experts, is_router
 from fairprune.errors import UserError
+from fairprune.hub.conversion import checkpoint_names
 
 KINDS = ("attention", "mlp", "experts", "shared_experts", "router", "other")
 REASONS = {
@@ -51,22 +52,6 @@ def _kind(path: str, ndim: int, moe: bool) -> str:
     if "attn" in path or "attention" in path:
         return "attention"
     return "mlp"
-
-
-def _checkpoint_names(model, names: dict[str, torch.Size]) -> dict[str, list[str]]:
-    """For each model parameter name, the checkpoint names ``save_pretrained`` writes it under."""
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # an older transformers writes module names as they are
-        return {name: [name] for name in names}
-    out = {}
-    for name, shape in names.items():
-        try:
-            written = revert_weight_conversion(model, {name: torch.empty(shape, device="meta")})
-            out[name] = list(written) or [name]
-        except Exception:  # noqa: BLE001 - a conversion that needs its siblings: the name as it is
-            out[name] = [name]
-    return out
 
 
 def _reader(folder: Path):
@@ -126,7 +111,7 @@ def measure_written(folder: str | Path, blocks) -> dict[str, Any]:
             reason = None if path in pruned else "router" if kind == "router" else \
                 "bias" if path.endswith("bias") else "unreached"
             params[prefix + path] = (path, param.shape, kind, reason)
-    names = _checkpoint_names(blocks.model, {n: v[1] for n, v in params.items()})
+    names = checkpoint_names(blocks.model, {n: v[1] for n, v in params.items()})
     by_kind: dict[str, dict[str, int]] = {}
     units: dict[str, list[int]] = {}  # unit -> [zeros, numel, columns]
     experts: dict[str, dict[int, list[int]]] = {}
