@@ -1,4 +1,4 @@
-"""``prune.py export --format gguf``: tiny llama / mistral / qwen2 models (half their block weights
+"""``prune.py export --format gguf``: tiny llama / mistral / qwen2 / qwen3 models (half their block weights
 zeroed, as a pruned model's are) written as GGUF and read back by transformers' own GGUF reader and
 by fairprune's ``--model file.gguf``; the logits must equal those of the source with every weight
 rounded by ``gguf.quants`` to the file's type, computed here from the source folder."""
@@ -17,7 +17,7 @@ import transformers as tf
 from cli_output import last_error
 from fairprune.cli.prune import main
 
-FAMILIES = ("llama", "mistral", "qwen2")
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 TYPES = ("f16", "q8_0", "q4_0")
 GGML = {"f16": gguf.GGMLQuantizationType.F16, "q8_0": gguf.GGMLQuantizationType.Q8_0,
         "q4_0": gguf.GGMLQuantizationType.Q4_0}

@@ -6,7 +6,8 @@ The file follows llama.cpp's ``convert_hf_to_gguf.py`` for the families in :data
   ...); the LM head is left out when it is tied to the embedding (llama.cpp reads a missing
   ``output.weight`` as tied);
 - Llama-style models (llama, mistral) have their ``q_proj`` / ``k_proj`` rows permuted as
-  ``LlamaModel.permute`` does (rotary pairs interleaved; transformers' reader undoes it), Qwen2 not;
+  ``LlamaModel.permute`` does (rotary pairs interleaved; transformers' reader undoes it), Qwen2 and
+  Qwen3 not (Qwen3's query / key norms are plain tensors of the map);
 - metadata under llama.cpp's keys (context, widths, heads, rope base, norm epsilon, file type), and
   the tokenizer: byte-level BPE vocabulary padded to the model's vocabulary with ``[PADn]`` tokens,
   merges, token types (control for special added tokens, user-defined for the other added ones),
@@ -63,6 +64,7 @@ FAMILIES = {
     "llama": GGUFFamily("llama", permute_qk=True, llama_keys=True),
     "mistral": GGUFFamily("llama", permute_qk=True, llama_keys=True),
     "qwen2": GGUFFamily("qwen2", permute_qk=False),
+    "qwen3": GGUFFamily("qwen3", permute_qk=False),
 }
 
 #: llama.cpp's name of a byte-level pre-tokenizer, by its shape in ``tokenizer.json``.
