@@ -480,3 +480,41 @@ def test_a_rank_without_calibration_batches_agrees_on_shared_statistics(tmp_path
     layers share a statistic, and both end with one process's weights."""
     two, one = on_two_ranks(tmp_path, "prune_with_one_window"), prune_with_one_window()
     assert two.keys() == one.keys() and all(torch.equal(two[k], one[k]) for k in one)
+
+
+# --------------------------------------------------------------------------------------------
+# Mixture-of-experts: each expert's statistics (every token, or the routed ones) summed across ranks
+# --------------------------------------------------------------------------------------------
+
+MOE_RUNS = [("mixtral", "sparsegpt", "0.5", "all"), ("qwen3_moe", "wanda", "2:4", "routed"),
+            ("olmoe", "sparsegpt", "0.5", "routed"), ("qwen2_moe", "debias-sparsegpt", "0.5", "all")]
+
+
+def prune_moe_models() -> dict[str, dict]:
+    """Each of :data:`MOE_RUNS` (family, method, sparsity, --moe_calibrate) on :func:`tiny_data`, as
+    :func:`prune_tiny_models` runs the dense families: the weights and the expert token counts."""
+    from fairprune.pruning.llm import Batching, prune_causal_lm
+    from fairprune.pruning.options import SolverOptions
+    from fairprune.pruning.sparsity import Sparsity
+    from tiny_models import moe_model
+
+    calib, _, pairs = tiny_data()
+    out = {}
+    for family, method, sparsity, mode in MOE_RUNS:
+        torch.manual_seed(0)
+        model = moe_model(family).eval()
+        result = prune_causal_lm(model, method, Sparsity.parse(sparsity), calib_ids=calib,
+                                 pairs=pairs if method == "debias-sparsegpt" else None, progress=False,
+                                 solver=SolverOptions(moe_calibrate=mode), batching=Batching(windows=2, pairs=5))
+        out[f"{family} {method} {sparsity} {mode}"] = {"weights": {k: v.clone() for k, v in model.state_dict().items()},
+                                                       "experts": result["experts"]}
+    return out
+
+
+def test_two_ranks_prune_moe_models_bit_for_bit(tmp_path, one_thread):
+    two, one = on_two_ranks(tmp_path, "prune_moe_models"), prune_moe_models()
+    assert two.keys() == one.keys() and len(one) == len(MOE_RUNS)
+    for run, want in one.items():
+        got = two[run]
+        assert got["experts"] == want["experts"], run
+        assert all(torch.equal(got["weights"][k], want["weights"][k]) for k in want["weights"]), run

@@ -187,7 +187,9 @@ def _collect_experts(index: int, block: nn.Module, stats: dict, batches: list[Bl
             call_block(index, block, b)
     names = [f"{index}.{f.path}.{e}" for f in recorder.fused for e in range(num_experts(block, f))]
     counts = torch.tensor([float(calibrated.get(n, 0)) for n in names], dtype=torch.float64)
-    routed = {path: counts_of.to(torch.float64) for path, counts_of in recorder.routed.items()}
+    sizes = {f.module: num_experts(block, f) for f in recorder.fused}  # every rank reduces the same tensors
+    routed = {path: torch.as_tensor(recorder.routed.get(path, torch.zeros(n)), dtype=torch.float64)
+              for path, n in sorted(sizes.items())}
     if distributed.world()[1] > 1:
         distributed.all_reduce_sum(counts)
         for path in routed:
