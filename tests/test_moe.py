@@ -233,6 +233,7 @@ def test_evaluate_tasks_on_a_pruned_moe_model(tmp_path):
     assert prune_main(["evaluate", "--model", str(out), "--tasks", "[hellaswag]", "--limit", "4", "--output",
                        str(tmp_path / "ev"), *FAST, *_texts(tmp_path)]) == 0
     report = json.loads((tmp_path / "ev" / "report.json").read_text())
+    assert report["achieved_sparsity"] == pytest.approx(0.5, abs=0.01)  # the experts counted, not only attention
     assert "hellaswag/acc" in report["tasks"]["figures"] or any("hellaswag" in k for k in report["metrics"])
 
 

@@ -301,12 +301,12 @@ def as_blocks(model) -> BlockModel:
 
 @torch.no_grad()
 def zero_fraction(blocks) -> float:
-    """The share of exact zeros in the prunable layers of every block, one block loaded at a time."""
+    """The share of exact zeros in what the methods prune in every block (its linear layers but the
+    routers, and each expert of a fused expert parameter), one block loaded at a time."""
     zeros = total = 0
     for block in blocks.blocks:
-        layers = list(blocks.family.block_linears(block).values())
-        with blocks.loaded(*layers):
-            for layer in layers:
-                zeros += int((layer.weight == 0).sum())
-                total += layer.weight.numel()
+        with blocks.loaded(block):
+            for unit in blocks.family.block_units(block).values():
+                zeros += int((unit.weight == 0).sum())
+                total += unit.weight.numel()
     return zeros / total if total else 0.0
