@@ -6,6 +6,7 @@ rounded by ``gguf.quants`` to the file's type, computed here from the source fol
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import gguf
@@ -193,3 +194,42 @@ def test_failed_check_leaves_nothing(tmp_path, corpus, one_thread, capsys):
     assert "differs from the source" in line and "nothing was written" in line
     assert [p.name for p in out.iterdir()] == ["llama.f16.gguf"]
     assert (out / "llama.f16.gguf").read_bytes() == b"previous"
+
+
+def test_export_replaces_only_what_it_wrote(tmp_path, corpus, one_thread, capsys):
+    tokenizer, eval_text = corpus
+    folder = pruned_folder(tmp_path, tokenizer, "qwen2")
+    path = tmp_path / "out" / "model.gguf"
+    path.parent.mkdir()
+    path.write_text("my notes, not a model")
+    assert export(folder, path, "f16", eval_text) != 0
+    assert "was not written by prune.py export" in last_error(capsys) and path.read_text() == "my notes, not a model"
+    other = tmp_path / "out" / "other.gguf"
+    (tmp_path / "out" / "other.report.json").write_text('{"mine": true}')
+    assert export(folder, other, "f16", eval_text) != 0
+    assert "is not a report of prune.py export" in last_error(capsys) and not other.exists()
+    assert (tmp_path / "out" / "other.report.json").read_text() == '{"mine": true}'
+    fresh = tmp_path / "out" / "fresh.gguf"
+    assert export(folder, fresh, "f16", eval_text) == 0
+    first = fresh.stat().st_mtime_ns
+    assert export(folder, fresh, "q8_0", eval_text) == 0  # its own file and report: replaced
+    assert fresh.stat().st_mtime_ns != first
+    assert json.loads((tmp_path / "out" / "fresh.report.json").read_text())["gguf_type"] == "q8_0"
+
+
+def test_a_killed_exports_temporary_file_is_removed(tmp_path, corpus, one_thread):
+    import subprocess
+    import sys
+
+    tokenizer, eval_text = corpus
+    folder = pruned_folder(tmp_path, tokenizer, "qwen2")
+    path = tmp_path / "out" / "model.gguf"
+    path.parent.mkdir()
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()  # a process that no longer runs, as a killed export's
+    dead = path.with_name(f".{path.name}.{gone.pid}.tmp")
+    dead.write_bytes(b"GGUF" + b"\0" * 64)
+    alive = path.with_name(f".{path.name}.{os.getppid()}.tmp")  # a live process's: left alone
+    alive.write_bytes(b"GGUF")
+    assert export(folder, path, "f16", eval_text) == 0
+    assert not dead.exists() and alive.exists()

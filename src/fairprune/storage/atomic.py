@@ -19,14 +19,57 @@ def replace_atomically(path: str | os.PathLike, write: Callable[[Path], Any]) ->
     file is removed and ``path`` is left as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_temporaries(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         write(tmp)
+        plain_mode(tmp)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def plain_mode(path: str | os.PathLike) -> None:
+    """Give a written file the mode a plain ``open`` gives under the user's umask (0644 under 022):
+    writers that go through a private temporary file (``mkstemp``: 0600) would otherwise leave
+    their files unreadable by the group, so the same run's files would differ by how they were
+    written."""
+    os.chmod(path, 0o666 & ~_umask())
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_dead_temporaries(path: str | os.PathLike) -> list[Path]:
+    """Remove the ``.<name>.<pid>.tmp`` files of ``path`` that processes no longer running left
+    (a run killed while it wrote): the temporary names :func:`replace_atomically` writes under,
+    never a live writer's. Returns the removed files."""
+    path = Path(path)
+    removed = []
+    for tmp in path.parent.glob(f".{path.name}.*.tmp"):
+        pid = tmp.name[len(path.name) + 2:-len(".tmp")]
+        if pid.isdigit() and int(pid) != os.getpid() and not _alive(int(pid)):
+            try:
+                tmp.unlink()
+                removed.append(tmp)
+            except OSError:
+                pass
+    return removed
 
 
 def write_text(path: str | os.PathLike, text: str) -> Path:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from fairprune.errors import UserError
-from fairprune.storage.atomic import write_text
+from fairprune.storage.atomic import plain_mode, write_text
 from fairprune.storage.lock import LOCK_NAME
 
 MARKER = "INCOMPLETE"  # present only while (or when stopped while) a run is swapped in
@@ -126,6 +126,9 @@ def replace_folder(output: str | os.PathLike, write: Callable[[Path], Any], *, k
     try:  # nothing in ``out`` changes before the last step here (the marker) succeeded
         staging.mkdir()
         write(staging)
+        for written in staging.rglob("*"):  # one mode whatever wrote them (save_pretrained's temporaries: 0600)
+            if written.is_file() and not written.is_symlink():
+                plain_mode(written)
         files = [p.name for p in staging.iterdir() if p.name not in keep]
         write_text(staging / MANIFEST, json.dumps({"files": sorted(files)}) + "\n")
         trash.mkdir()

@@ -193,6 +193,36 @@ def gguf_path(model: str, output: str | None, gguf_type: str) -> Path:
     return path
 
 
+def _export_report(path: Path) -> dict[str, Any] | None:
+    """The export report ``<name>.report.json`` beside ``path`` (None: none, or not one)."""
+    import json
+
+    try:
+        found = json.loads(report_path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    return found if isinstance(found, dict) and found.get("format") == "gguf" and "read_back_by" in found else None
+
+
+def _check_ours(path: Path) -> None:
+    """Refuse, before any work, to replace a file this command did not write: an existing ``path``
+    is replaced only when it is a GGUF file whose export report names it, and an existing
+    ``<name>.report.json`` only when it is such a report."""
+    report = _export_report(path)
+    if report_path(path).exists() and report is None:
+        raise UserError(f"'{report_path(path)}' exists and is not a report of prune.py export; the export writes its "
+                        "report there: give another --output or move that file")
+    if path.exists():
+        try:
+            with open(path, "rb") as f:
+                magic = f.read(4)
+        except OSError:
+            magic = b""
+        if not path.is_file() or magic != b"GGUF" or report is None or Path(report.get("output", "")).name != path.name:
+            raise UserError(f"--output '{path}' exists and was not written by prune.py export (only a GGUF file "
+                            "with its export report beside it is replaced); give another --output or remove it")
+
+
 def report_path(path: Path) -> Path:
     """``<name>.report.json`` beside ``<name>.gguf``."""
     return path.with_name(f"{path.name[: -len(path.suffix)]}.report.json")
@@ -219,6 +249,7 @@ def export_gguf(model: str, output: str | None = None, options: GGUFOptions = GG
         raise UserError(f"--atol must be a positive tolerance, e.g. 1e-4; got {atol}")
     path = gguf_path(model, output, options.gguf_type)
     check_apart([path, report_path(path)], read_folders(model))  # never over the model it reads
+    _check_ours(path)
     _check_writable(path, str(path))  # before the model is loaded
     source = load_model(model, trust_remote_code=options.trust_remote_code, dtype="float32").eval()
     family_for(source)  # an unsupported family refused before any work
