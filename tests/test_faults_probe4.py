@@ -7,9 +7,9 @@ import os
 import stat
 
 import pytest
-from tiny_models import tiny_gpt2_folder
 
 from fairprune.cli.prune import main as prune_main
+from tiny_models import tiny_gpt2_folder
 
 FAST = ["--nsamples", "2", "--seqlen", "32", "--eval_tokens", "256", "--device", "cpu", "--quiet", "true"]
 
