@@ -36,3 +36,55 @@ def test_file_modes_do_not_depend_on_the_stream_mode(gpt2):
     memory, streamed = _modes(gpt2 / "false"), _modes(gpt2 / "true")
     assert memory["model.safetensors"] == streamed["model.safetensors"] == 0o644
     assert set(memory.values()) == {0o644} and set(streamed.values()) == {0o644}
+
+
+# --- GGUF files that lie in their header ---------------------------------------------------------
+
+def _tiny_gguf(tmp_path):
+    from test_faults_probe3 import _gguf
+
+    return _gguf(tmp_path)
+
+
+@pytest.mark.parametrize("count", [2**40, 2**62])
+def test_a_gguf_array_claiming_more_entries_than_the_file_holds_is_one_line(tmp_path, capsys, count, monkeypatch):
+    import struct
+
+    from cli_output import last_error
+
+    monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path / "cache"))
+    path = _tiny_gguf(tmp_path)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"tokenizer.ggml.tokens" + struct.pack("<II", 9, 8)) + len("tokenizer.ggml.tokens") + 8
+    data[at:at + 8] = struct.pack("<Q", count)
+    path.write_bytes(bytes(data))
+    assert prune_main(["evaluate", "--model", str(path), *FAST]) != 0
+    line = last_error(capsys)
+    assert "is not a valid GGUF file" in line and "tokenizer.ggml.tokens" in line and "more than the file" in line
+    assert "Traceback" not in capsys.readouterr().err
+
+
+def test_a_gguf_whose_tensors_overlap_is_refused(tmp_path, capsys, monkeypatch):
+    import struct
+
+    import gguf
+
+    from cli_output import last_error
+
+    monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path / "cache"))
+    path = _tiny_gguf(tmp_path)
+    reader = gguf.GGUFReader(path)
+    first, second = reader.tensors[0], reader.tensors[1]
+    data = bytearray(path.read_bytes())
+    name = second.name.encode()
+    at = data.index(struct.pack("<Q", len(name)) + name) + 8 + len(name)
+    dims = struct.unpack_from("<I", data, at)[0]
+    offset_at = at + 4 + 8 * dims + 4
+    start = reader.data_offset
+    assert struct.unpack_from("<Q", data, offset_at)[0] == second.data_offset - start
+    data[offset_at:offset_at + 8] = struct.pack("<Q", first.data_offset - start)  # second reads the first's bytes
+    path.write_bytes(bytes(data))
+    assert prune_main(["evaluate", "--model", str(path), *FAST]) != 0
+    line = last_error(capsys)
+    assert "overlap" in line and first.name in line and second.name in line
+    assert not any((tmp_path / "cache").rglob("model.safetensors"))  # nothing converted, nothing measured

@@ -87,6 +87,9 @@ def convert(source: Path, folder: Path) -> None:
         if importlib.util.find_spec(package) is None:
             raise UserError(f"converting {source.name} once into a transformers folder needs the '{package}' package; "
                             f"run pip install gguf accelerate (make installs them)")
+    from fairprune.hub.gguf_header import check_gguf
+
+    check_gguf(source)  # its header as the format defines it, before transformers' reader trusts it
     folder.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(folder.parent)
     start = time.perf_counter()
