@@ -149,3 +149,13 @@ def test_write_then_check_and_a_differing_page_fails_in_one_line(tmp_path, monke
     assert (tmp_path / "README.md").read_text() == edited  # --check changes nothing
     assert tables.main(["--check", "nothing"]) == 2
     assert capsys.readouterr().err.strip() == "error: no table named nothing; the tables: demo-table, later"
+
+
+def test_a_check_that_compared_nothing_fails(tmp_path, monkeypatch, capsys):
+    (tmp_path / "README.md").write_text("intro\n<!-- demo-table:start -->\n<!-- demo-table:end -->\nend\n")
+    monkeypatch.setattr(tables, "BLOCKS", {
+        "demo-table": tables.Block(("runs/c",), tables.vision_table, ("README.md",), "make demo")})
+    monkeypatch.setattr(tables, "ROOT", tmp_path)
+    assert tables.main(["--check"]) == 1  # no demo has run: nothing was compared
+    assert "nothing was checked" in capsys.readouterr().err
+    assert tables.main([]) == 0  # writing skips what has not run, as before

@@ -14,7 +14,7 @@ Another table is one :data:`BLOCKS` entry: its folders, a function from them to 
 
 ``python -m fairprune.cli.tables`` (``make readme-table``) rewrites every block whose demo has run
 (a block named on the command line must have run); ``--check`` changes nothing and exits with status 1 and one line per block that differs on a page
-from what its demo wrote (``.ci/run`` runs it after ``make demo``). Names select blocks
+from what its demo wrote, or when no demo has run at all (a check that compared nothing fails) (``.ci/run`` runs it after ``make demo``). Names select blocks
 (``python -m fairprune.cli.tables --check demo-table``).
 """
 
@@ -179,7 +179,7 @@ def run(names: Sequence[str], check: bool, root: Path | None = None) -> int:
     unknown = [n for n in names if n not in BLOCKS]
     if unknown:
         raise UserError(f"no table named {', '.join(unknown)}; the tables: {', '.join(BLOCKS)}")
-    differ = []
+    differ, checked = [], 0
     for name in names or list(BLOCKS):
         block = BLOCKS[name]
         missing = [s for s in block.sources if not (root / s).is_dir()]
@@ -190,6 +190,7 @@ def run(names: Sequence[str], check: bool, root: Path | None = None) -> int:
             continue
         text = block.render([root / s for s in block.sources])
         sources = ", ".join(block.sources)
+        checked += 1
         if check:
             pages = [page for page in block.pages if marked_block(root / page, name) != text]
             if pages:
@@ -201,6 +202,9 @@ def run(names: Sequence[str], check: bool, root: Path | None = None) -> int:
                 print(f"[tables] {name}: {page} rewritten from {sources}")
             else:
                 print(f"[tables] {name}: {page} is up to date")
+    if check and not checked:  # a check that compared nothing must not pass
+        differ.append("error: no demo has written its table (every block skipped): nothing was checked; run make demo "
+                      "(or the demo of the table named) first")
     for line in differ:
         print(line, file=sys.stderr)
     return 1 if differ else 0

@@ -129,11 +129,11 @@ def check_gguf(path: str | os.PathLike) -> dict[str, int]:
                 raise cur.bad(f"tensor {name}'s data offset {offset} is not aligned to {alignment} bytes")
             spans.append((offset, offset + numel // block * type_size, name))
         start = -(-f.tell() // alignment) * alignment
-    for begin, end, name in spans:
+    for _begin, end, name in spans:
         if start + end > size:
             raise cur.bad(f"tensor {name}'s data ends {start + end - size} bytes past the end of the file")
     spans.sort()
-    for (b1, e1, n1), (b2, _, n2) in zip(spans, spans[1:]):
+    for (_, e1, n1), (b2, _, n2) in zip(spans, spans[1:]):
         if b2 < e1:
             raise cur.bad(f"the data of tensors {n1} and {n2} overlap (bytes {b2} to {e1} of the data section)")
     return {"version": version, "tensors": tensors, "metadata": entries}
