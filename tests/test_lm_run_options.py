@@ -111,10 +111,17 @@ def test_dense_cache_hits_and_is_invalidated(lm, tmp_path, monkeypatch):
     assert prune("other_cap", "--eval_tokens", "256")["reference"]["from_cache"] is False
     assert prune("other_window", "--eval_seqlen", "16")["reference"]["from_cache"] is False
     assert prune("other_seed", "--seed", "1")["reference"]["from_cache"] is False  # another pair split
+    from fairprune.reporting import environment
+
+    real = environment.versions()
+    monkeypatch.setattr(environment, "versions", lambda: {**real, "transformers": "0.0.0-other"})
+    assert prune("other_library", "--eval_tokens", "512")["reference"]["from_cache"] is False  # another transformers
+    monkeypatch.setattr(environment, "versions", lambda: real)
+    assert prune("same_library", "--eval_tokens", "512")["reference"]["from_cache"] is True
     fresh = prune("no_cache", "--dense_cache", "false")
     assert fresh["reference"]["from_cache"] is False
     assert fresh["reference"]["metrics"] == first["reference"]["metrics"]
-    assert len(list((tmp_path / "cache" / "dense").glob("*.json"))) == 5  # --dense_cache false writes nothing
+    assert len(list((tmp_path / "cache" / "dense").glob("*.json"))) == 6  # --dense_cache false writes nothing
 
 
 def test_dense_cache_key_follows_pair_directions(lm):

@@ -114,7 +114,16 @@ def cache_key(model, tokenizer, eval_ids: torch.Tensor, eval_pairs: list, window
         "pairs": _ids_digest([*pair_ids, [int(direction(pair) == "antistereo") for pair in eval_pairs]]),
         "window": int(window), "eval_tokens": eval_tokens,
         "device": torch.device(device).type, "dtype": str(as_blocks(model).dtype),
+        "libraries": library_versions(),
     }
+
+
+def library_versions() -> dict[str, str | None]:
+    """The versions the figures depend on (Python, torch, transformers, lm-eval, numpy, ...): a
+    cached figure measured under other libraries is measured again."""
+    from fairprune.reporting.environment import versions
+
+    return dict(versions())
 
 
 def cache_path(key: dict[str, Any], kind: str = "dense"):

@@ -61,12 +61,12 @@ def _key(blocks, specs: list[TaskSpec], lm, device) -> dict[str, Any]:
     import torch
 
     from fairprune.metrics.harness import _lm_eval_version
-    from fairprune.pruning.dense import weights_digest
+    from fairprune.pruning.dense import library_versions, weights_digest
 
     return {"version": TASK_CACHE_VERSION, "fairprune": fairprune.__version__, "lm_eval": _lm_eval_version(),
             "model": weights_digest(blocks), "tasks": [[s.name, s.scoring, s.data and file_sha256(s.data)] for s in specs],
             "limit": lm.limit, "num_fewshot": lm.num_fewshot, "seed": lm.seed, "device": torch.device(device).type,
-            "dtype": str(getattr(torch, lm.dtype))}
+            "dtype": str(getattr(torch, lm.dtype)), "libraries": library_versions()}
 
 
 def measure_tasks(model, tokenizer, specs: list[TaskSpec] | None, lm, device, progress: bool = True,
