@@ -242,3 +242,17 @@ def test_stereoset_folder_is_a_one_line_error(tmp_path):
     folder.mkdir()
     with pytest.raises(UserError, match="is a directory"):
         read_stereoset(folder)
+
+
+@pytest.mark.parametrize("template, kind", [
+    ("{{ ''.__class__.__mro__[1].__subclasses__() }}", "SecurityError"),  # the sandbox refuses the template
+    ("{% for i in range(10 ** 12) %}{% endfor %}{{ messages[0]['content'] }}", "OverflowError"),
+])
+def test_a_hostile_template_is_blamed_on_the_template_not_the_data(tmp_path, chat_tokenizer, template, kind):
+    chat_tokenizer.chat_template = template
+    path = write_jsonl(tmp_path / "chat.jsonl", ROWS[:2])
+    with pytest.raises(UserError) as info:
+        calibration_ids(chat_tokenizer, read_chat_jsonl(path), 1, 4)
+    message = str(info.value)
+    assert kind in message and "the template" in message and "not the data" in message
+    assert "fix or drop the row" not in message and "\n" not in message

@@ -339,9 +339,25 @@ def render_chats(tokenizer, chats: Chats) -> list[str]:
             texts.append(tokenizer.apply_chat_template(messages, tokenize=False))
         except Exception as err:  # jinja2's TemplateError (raise_exception in the template) and the like
             reason = (str(err).splitlines() or [""])[0]
+            if _template_at_fault(err):
+                raise UserError(f"the tokenizer's chat template cannot be rendered safely ({type(err).__name__}: "
+                                f"{reason[:160]}), on any row (first tried: {chats.source}, line {line}); the template "
+                                "in the model's tokenizer files is at fault, not the data: fix or replace the model's "
+                                "chat_template, or give plain text as --calib_text") from None
             raise UserError(f"{chats.source}: line {line}: the tokenizer's chat template refused this row "
                             f"({type(err).__name__}: {reason}); fix or drop the row") from None
     return texts
+
+
+def _template_at_fault(err: Exception) -> bool:
+    """Whether rendering failed because of the template itself rather than a row: jinja2's sandbox
+    refusing what the template does (``SecurityError``: an unsafe attribute or call), a range over
+    the sandbox's limit (``OverflowError``), runaway recursion or memory."""
+    try:
+        from jinja2.exceptions import SecurityError
+    except ImportError:  # no jinja2: transformers could not have rendered a template
+        SecurityError = ()  # noqa: N806
+    return isinstance(err, (SecurityError, OverflowError, RecursionError, MemoryError))
 
 
 def render_calib_text(tokenizer, text: str | Chats) -> str | list[str]:
