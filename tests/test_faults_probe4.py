@@ -88,3 +88,46 @@ def test_a_gguf_whose_tensors_overlap_is_refused(tmp_path, capsys, monkeypatch):
     line = last_error(capsys)
     assert "overlap" in line and first.name in line and second.name in line
     assert not any((tmp_path / "cache").rglob("model.safetensors"))  # nothing converted, nothing measured
+
+
+# --- BBQ files that would pass the up-front check and fail after the model was measured --------
+
+def _bbq_file(tmp_path, rows, name="bbq.jsonl"):
+    import json
+
+    path = tmp_path / name
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.mark.parametrize("change, expected", [
+    (lambda row: row.update(ans1=""), "line 3 has an empty ans1"),
+    (lambda row: row.update(ans1=row["ans0"]), "line 3 has ans0 equal to ans1"),
+])
+def test_a_bbq_row_lm_eval_cannot_score_is_refused_before_work(gpt2, capsys, change, expected):
+    from cli_output import last_error
+    from test_harness import _bbq_rows
+
+    rows = _bbq_rows()
+    change(rows[2])
+    path = _bbq_file(gpt2, rows)
+    code = prune_main(["evaluate", "--model", str(gpt2 / "dense"), "--tasks", "[bbq_ambig_cloze3]", "--task_data",
+                       f"bbq={path}", *FAST])
+    line = last_error(capsys)
+    assert code != 0 and expected in line and str(path) in line and "IndexError" not in line
+
+
+@pytest.mark.parametrize("task, kept", [("bbq_ambig_cloze3", "disambig"), ("bbq_disambig_cloze3", "ambig"),
+                                        ("bbq_ambig_letter_balanced", "disambig")])
+def test_a_bbq_file_without_the_tasks_context_condition_is_refused_before_work(gpt2, capsys, task, kept):
+    from test_harness import _bbq_rows
+
+    path = _bbq_file(gpt2, [r for r in _bbq_rows() if r["context_condition"] == kept])
+    code = prune_main(["evaluate", "--model", str(gpt2 / "dense"), "--tasks", f"[{task}]", "--task_data",
+                       f"bbq={path}", "--quiet", "false", *FAST[:-2]])
+    printed = capsys.readouterr()
+    assert "Traceback" not in printed.err
+    line = printed.err.strip().splitlines()[-1]
+    wanted = "disambig" if "disambig" in task else "ambig"
+    assert code != 0 and f"context_condition is '{wanted}'" in line and task in line and str(path) in line
+    assert "measuring" not in printed.out + printed.err  # refused before the model was measured

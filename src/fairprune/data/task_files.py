@@ -66,6 +66,14 @@ def _row_problem(name: str, row, n: str) -> str | None:
     if name == "bbq" and not (isinstance(row["additional_metadata"].get("stereotyped_groups"), list)
                               and all(isinstance(row["answer_info"].get(f"ans{i}"), list) for i in range(3))):
         return f"{n} needs additional_metadata.stereotyped_groups and answer_info.ans0-ans2 (lists)"
+    if name == "bbq":
+        answers = [row[f"ans{i}"].strip() for i in range(3)]
+        empty = [f"ans{i}" for i, a in enumerate(answers) if not a]
+        if empty:
+            return f"{n} has an empty {empty[0]} (every BBQ question has three non-empty answers)"
+        same = next(((i, j) for i in range(3) for j in range(i + 1, 3) if answers[i] == answers[j]), None)
+        if same:
+            return f"{n} has ans{same[0]} equal to ans{same[1]} ({answers[same[0]]!r}): the three answers must differ"
     if name == "bbq" and row["label"] not in (0, 1, 2):
         return f"{n} has label {row['label']}, not 0, 1 or 2 (the index of the right answer among ans0-ans2)"
     return None
@@ -151,11 +159,32 @@ def check_format(name: str, path: str | Path) -> None:
     if path.stat().st_size > MAX_FILE_BYTES:
         raise _refuse(name, path, f"it takes {path.stat().st_size / 2**30:.1f} GiB, more than the {MAX_FILE_BYTES // 2**30} GiB "
                                   "a task file may (the public sets take megabytes); split it")
-    count = 0
+    count, conditions = 0, {}
     for where, row in _rows(name, path):
         count += 1
         problem = _row_problem(name, row, where)
         if problem:
             raise _refuse(name, path, problem)
+        if name == "bbq":
+            conditions[row["context_condition"]] = conditions.get(row["context_condition"], 0) + 1
     if not count:
         raise _refuse(name, path, "no rows")
+    _FACTS[str(path)] = {"rows": count, "context_condition": conditions}
+
+
+#: What :func:`check_format` counted in each file it passed (by path): its rows and, for BBQ, its
+#: rows per context condition.
+_FACTS: dict[str, dict[str, Any]] = {}
+
+
+def check_condition(task: str, path: str | Path, condition: str) -> None:
+    """Refuse, before any work, a BBQ file (checked by :func:`check_format`) with no row of the
+    ``condition`` (ambig or disambig) that ``task`` reads: lm-eval would keep no document."""
+    facts = _FACTS.get(str(Path(path)))
+    if facts is None:
+        check_format("bbq", path)
+        facts = _FACTS[str(Path(path))]
+    if not facts["context_condition"].get(condition):
+        found = ", ".join(f"{v} {k}" for k, v in facts["context_condition"].items())
+        raise _refuse("bbq", Path(path), f"{task} reads the rows whose context_condition is {condition!r}, and the file "
+                                         f"has none ({found}); give a BBQ file with {condition} rows or drop {task}")

@@ -135,6 +135,12 @@ def check_tasks(tasks: Sequence[str] | None, task_data: Iterable[str] | None = N
             raise UserError(f"--tasks holds {name!r}; pass lm-eval task names, e.g. --tasks '[hellaswag, mmlu, bbq_ambig]'")
     if len(set(tasks or [])) != len(tasks or []):
         raise UserError(f"--tasks names a task twice: {list(tasks)}")
+    from fairprune.data.task_files import check_condition
+
+    for name in tasks or []:  # a BBQ task keeps the rows of one context condition: the file must have some
+        path = data.get(name, data.get("bbq")) if LOCAL_TASKS.get(name, ("",))[0] == "bbq" else None
+        if path and path != HUB:
+            check_condition(name, path, "disambig" if "disambig" in name else "ambig")
     return data
 
 
