@@ -131,3 +131,47 @@ def test_a_bbq_file_without_the_tasks_context_condition_is_refused_before_work(g
     wanted = "disambig" if "disambig" in task else "ambig"
     assert code != 0 and f"context_condition is '{wanted}'" in line and task in line and str(path) in line
     assert "measuring" not in printed.out + printed.err  # refused before the model was measured
+
+
+# --- An interrupted LM compare reuses its finished cells -------------------------------------------
+
+def _files(folder) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("stream", ["false", "true"])
+def test_an_interrupted_lm_compare_reuses_its_finished_cells(gpt2, stream):
+    from test_signals import Command, _last_stderr_line
+
+    out = gpt2 / "grid"
+    args = ["compare", "--model", str(gpt2 / "dense"), "--output", str(out), "--methods", "[magnitude, sparsegpt]",
+            "--sparsities", "[0.5]", "--eval_text", str(gpt2 / "eval.txt"), "--calib_text", str(gpt2 / "eval.txt"),
+            "--nsamples", "32", "--seqlen", "64", "--eval_tokens", "256", "--device", "cpu", "--stream", stream,
+            "--dense_cache", "false"]
+    run = Command("prune.py", args, gpt2)
+    try:
+        run.wait_for(lambda: any("[compare] sparsegpt_0.5 (2/2)" in line for line in run.out))
+        status = run.terminate()
+    finally:
+        run.kill()
+    assert status == 143
+    assert "in cell sparsegpt_0.5" in _last_stderr_line(run.err) and "finished cells are reused" in _last_stderr_line(run.err)
+    first = _files(out / "magnitude_0.5")
+    assert "report.json" in first and not (out / "sparsegpt_0.5" / "report.json").exists()
+    again = Command("prune.py", [*args, "--quiet", "true"], gpt2)  # --quiet changes no figure: still reused
+    assert again.proc.wait(timeout=300) == 0
+    again.terminate(timeout=10)
+    printed = "".join(again.out)
+    assert "[compare] magnitude_0.5 (1/2): finished earlier with the same settings, reusing" in printed
+    assert _files(out / "magnitude_0.5") == first  # byte for byte: not run again
+    assert (out / "sparsegpt_0.5" / "report.json").is_file() and (out / "comparison.csv").is_file()
+    if stream == "true":
+        return
+    third = Command("prune.py", [*args, "--quiet", "true"], gpt2)
+    assert third.proc.wait(timeout=300) == 0
+    third.terminate(timeout=10)
+    assert "".join(third.out).count("finished earlier with the same settings") == 2
+    changed = Command("prune.py", [*args, "--nsamples", "8"], gpt2)  # other settings: run again
+    assert changed.proc.wait(timeout=300) == 0
+    changed.terminate(timeout=10)
+    assert "reusing" not in "".join(changed.out).replace("magnitude_0.5 (1/2): finished", "")

@@ -62,9 +62,10 @@ def run_compare(output: str | os.PathLike, cells: list[Cell], run: Callable[[Cel
     for i, cell in enumerate(cells, 1):
         line = f"[compare] {cell.name}{cell.tag} ({i}/{len(cells)})"
         report, resume = earlier(cell) if earlier is not None else (None, None)
-        if talk:
-            print(f"{line}: finished earlier with the same settings, reusing {cell.folder}" if report is not None
-                  else f"{line}{f': resuming from {resume}' if resume else ''} ...", flush=True)
+        if report is not None and distributed.is_main():  # said even when quiet: the run did not redo it
+            print(f"{line}: finished earlier with the same settings, reusing {cell.folder}", flush=True)
+        elif talk:
+            print(f"{line}{f': resuming from {resume}' if resume else ''} ...", flush=True)
         done.append((cell, report if report is not None else run(cell, resume)))
     if not distributed.is_main():
         return pd.DataFrame()

@@ -25,6 +25,7 @@ prints, the others wait for it.
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, replace
 from pathlib import Path
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 
 from fairprune import distributed
+from fairprune.callbacks.signals import stop_in
 from fairprune.causal.blocks import zero_fraction
 from fairprune.data.pairs import LMTexts, lm_texts
 from fairprune.errors import UserError
@@ -226,7 +228,23 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     opened, blocks = [blocks], None  # the model the dense figures came from: the first run prunes it (in memory: in place)
     kept: list = []  # the last float run's pruned model in memory, for its round-to-nearest quantized row
 
+    def config_of(cell: Cell) -> dict[str, Any]:
+        _, method, s, quantize = cell.key
+        return _config(replace(lm, quantize=quantize, quantize_methods=None), machine, method=method, sparsity=str(s),
+                       **asdict(solver))
+
+    def earlier(cell: Cell) -> tuple[dict[str, Any] | None, None]:
+        return _earlier_lm_cell(cell.folder, config_of(cell), dense, specs is not None), None
+
     def run(cell: Cell, resume: str | None) -> dict[str, Any]:
+        try:
+            return run_cell(cell)
+        except BaseException as err:
+            stop_in(err, f"cell {cell.name}{cell.tag}", "run the same command again: the finished cells are reused, "
+                    "this one runs again")
+            raise
+
+    def run_cell(cell: Cell) -> dict[str, Any]:
         nonlocal load_seconds
         _, method, s, quantize = cell.key
         tick = time.perf_counter()
@@ -238,7 +256,7 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
             opened.append(open_blocks(lm, stream))
             load_seconds = time.perf_counter() - tick
         run_lm = replace(lm, quantize=quantize, quantize_methods=None)
-        config = _config(run_lm, machine, method=method, sparsity=str(s), **asdict(solver))
+        config = config_of(cell)
         blocks = opened.pop()
         report = prune_run(blocks, method, s, cell.folder, measuring, run_lm, solver, config,
                            Start(load_seconds, peak_rss_bytes(), shared_dense=True, reuse=reuse), machine.progress)
@@ -263,7 +281,35 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
         return Written(rows, extra, "Language-model pruning comparison" + (" (streamed)" if stream else ""),
                        _lm_statistics(cells, baseline, dense))
 
-    return run_compare(output, cells, run, finish, talk=distributed.is_main() and machine.progress)
+    return run_compare(output, cells, run, finish, earlier, talk=distributed.is_main() and machine.progress)
+
+
+#: Settings that change no figure of a run: an earlier cell with other values of these is reused.
+_NO_RESULT = ("quiet", "dense_cache", "quantize_methods")
+
+
+def _earlier_lm_cell(folder: Path, config: dict[str, Any], dense: DenseFigures, tasks: bool) -> dict[str, Any] | None:
+    """The report an earlier compare left finished in an LM cell's folder, reused when it was run
+    with the same settings (its ``config.yaml``, leaving out :data:`_NO_RESULT`) against the same
+    dense figures (so the same model weights, texts and windows), and its per-item files are whole
+    (the statistics read them); else None: the cell runs again."""
+    import yaml
+
+    def identity(found: Any) -> Any:
+        return {k: v for k, v in found.items() if k not in _NO_RESULT} if isinstance(found, dict) else found
+
+    try:
+        if identity(yaml.safe_load((folder / "config.yaml").read_text())) != identity(yaml.safe_load(yaml.safe_dump(config))):
+            return None
+        report = json.loads((folder / "report.json").read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return None
+    as_written = {k: None if isinstance(v, float) and v != v else v for k, v in dense.metrics.items()}  # NaN: null
+    if not isinstance(report, dict) or (report.get("reference") or {}).get("metrics") != as_written:
+        return None
+    if LMItems.load(folder) is None or (tasks and TaskItems.load(folder) is None):
+        return None
+    return report
 
 
 def _lm_statistics(cells: list[Cell], baseline: str, dense: DenseFigures) -> Statistics:
