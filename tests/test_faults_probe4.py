@@ -3,6 +3,7 @@ the code before its fix."""
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 
@@ -175,3 +176,78 @@ def test_an_interrupted_lm_compare_reuses_its_finished_cells(gpt2, stream):
     assert changed.proc.wait(timeout=300) == 0
     changed.terminate(timeout=10)
     assert "reusing" not in "".join(changed.out).replace("magnitude_0.5 (1/2): finished", "")
+
+
+# --- A tokenizer that asks for BOS gets it at the head of every window ------------------------------
+
+def _bos_tokenizer(root):
+    from tokenizers import processors
+
+    from fairprune.data.text import lm_corpus, train_bpe_tokenizer
+
+    corpus = lm_corpus(train_docs=30, validation_docs=4, seed=3)
+    tokenizer = train_bpe_tokenizer(corpus.train, 300)
+    bos = tokenizer.bos_token  # the document separator, as GPT-2-style vocabularies have it
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.bos_token_id)])
+    (root / "eval.txt").write_text(corpus.validation)
+    return tokenizer
+
+
+def test_gemma_reads_its_bos_at_the_head_of_every_window(tmp_path):
+    import json
+
+    import torch
+    from tiny_models import builder
+
+    from fairprune.data.text import bos_of, calibration_ids
+
+    tokenizer = _bos_tokenizer(tmp_path)
+    bos = tokenizer.bos_token_id
+    assert bos_of(tokenizer) == bos
+    torch.manual_seed(0)
+    model = builder("gemma3_text", vocab_size=len(tokenizer), bos_token_id=bos, eos_token_id=tokenizer.eos_token_id,
+                    pad_token_id=tokenizer.eos_token_id)().eval()
+    model.save_pretrained(tmp_path / "gemma")
+    tokenizer.save_pretrained(tmp_path / "gemma")
+    out = tmp_path / "ev"
+    assert prune_main(["evaluate", "--model", str(tmp_path / "gemma"), "--eval_text", str(tmp_path / "eval.txt"),
+                       "--eval_seqlen", "32", "--eval_tokens", "310", "--output", str(out), "--dense_cache", "false",
+                       "--device", "cpu", "--quiet", "true"]) == 0
+    report = json.loads((out / "report.json").read_text())
+    # plain transformers on the same windows: the BOS, then the next 31 tokens of the text
+    text = tokenizer((tmp_path / "eval.txt").read_text(), add_special_tokens=False).input_ids[:310]
+    windows = [[bos, *text[i:i + 31]] for i in range(0, len(text) // 31 * 31, 31)]
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(windows)).logits
+    ids = torch.tensor(windows)
+    nll = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).double(), ids[:, 1:].flatten(), reduction="sum")
+    assert report["metrics"]["perplexity"] == pytest.approx(math.exp(float(nll) / ids[:, 1:].numel()), rel=1e-5)
+    assert report["evaluation"]["bos"] == tokenizer.bos_token and report["evaluation"]["tokens"] == len(windows) * 31
+    calib = calibration_ids(tokenizer, (tmp_path / "eval.txt").read_text(), 4, 16)
+    assert (calib[:, 0] == bos).all()
+
+
+def test_a_converted_gguf_keeps_its_bos_flag(tmp_path, monkeypatch):
+    import json
+
+    import torch
+    from tiny_models import builder, write_gguf
+
+    from fairprune.data.text import bos_of
+
+    monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path / "cache"))
+    tokenizer = _bos_tokenizer(tmp_path)
+    torch.manual_seed(0)
+    model = builder("qwen2", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                    eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id, tie_word_embeddings=False)()
+    write_gguf(model, tokenizer, tmp_path / "m.gguf", add_bos=True)  # as Gemma 3's GGUF says
+    out = tmp_path / "ev"
+    assert prune_main(["evaluate", "--model", str(tmp_path / "m.gguf"), "--eval_text", str(tmp_path / "eval.txt"),
+                       "--eval_seqlen", "32", "--eval_tokens", "256", "--output", str(out), "--device", "cpu",
+                       "--quiet", "true"]) == 0
+    assert json.loads((out / "report.json").read_text())["evaluation"]["bos"] == tokenizer.bos_token
+    from transformers import AutoTokenizer
+
+    converted = next((tmp_path / "cache").rglob("tokenizer.json")).parent
+    assert bos_of(AutoTokenizer.from_pretrained(converted)) == tokenizer.bos_token_id

@@ -117,10 +117,10 @@ def tiny_gpt2_folder(root) -> str:
     return corpus.validation
 
 
-def write_gguf(model, tokenizer, path) -> None:
+def write_gguf(model, tokenizer, path, add_bos: bool | None = None) -> None:
     """``model`` (a llama.cpp-named architecture: qwen2, ...) and its byte-level BPE ``tokenizer``
     as a float32 GGUF file, tensors named by the ``gguf`` package's own map: the file a user's
-    llama.cpp conversion gives, made offline."""
+    llama.cpp conversion gives, made offline (``add_bos``: ``tokenizer.ggml.add_bos_token``, when given)."""
     import json
 
     import gguf
@@ -147,6 +147,8 @@ def write_gguf(model, tokenizer, path) -> None:
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in spec["model"]["merges"]])
     writer.add_bos_token_id(tokenizer.eos_token_id)
     writer.add_eos_token_id(tokenizer.eos_token_id)
+    if add_bos is not None:
+        writer.add_add_bos_token(add_bos)
     for name, tensor in model.state_dict().items():
         writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.float().numpy())
     writer.write_header_to_file()

@@ -378,20 +378,48 @@ def calibration_stream(tokenizer, text: str | Iterable[str] | Chats) -> torch.Te
             return calibration_stream(tokenizer, rendered)
         rows = tokenizer(rendered, add_special_tokens=False, verbose=False).input_ids
         return torch.tensor([token for row in rows for token in row], dtype=torch.long)
-    return tokenizer(join_documents(text), return_tensors="pt", verbose=False).input_ids[0]
+    special = bos_of(tokenizer) is None  # a BOS goes at the head of every window, not once in the stream
+    return tokenizer(join_documents(text), return_tensors="pt", add_special_tokens=special, verbose=False).input_ids[0]
 
 
 def calibration_ids(tokenizer, text: str | Iterable[str] | Chats, nsamples: int, seqlen: int, seed: int = 0) -> torch.Tensor:
     """``nsamples`` random windows of ``seqlen`` tokens from the tokenized text (or rendered chat
-    rows, see :func:`calibration_stream`), as [nsamples, seqlen]."""
+    rows, see :func:`calibration_stream`), as [nsamples, seqlen]. A tokenizer that adds a BOS
+    token (:func:`bos_of`) gets it at the head of every window, before ``seqlen - 1`` tokens of text,
+    as the model saw its training documents (Gemma breaks without it)."""
     ids = calibration_stream(tokenizer, text)
     if nsamples < 1 or seqlen < 1:
         raise UserError(f"nsamples and seqlen must be positive, got {nsamples} and {seqlen}")
-    if len(ids) < seqlen:
+    bos = bos_of(tokenizer)
+    span = seqlen - 1 if bos is not None and seqlen > 1 else seqlen
+    if len(ids) < span:
         raise UserError(f"calibration text has {len(ids)} tokens, fewer than one window of {seqlen}; give more text or a smaller seqlen")
     generator = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(ids) - seqlen + 1, (nsamples,), generator=generator)
-    return torch.stack([ids[s : s + seqlen] for s in starts.tolist()])
+    starts = torch.randint(0, len(ids) - span + 1, (nsamples,), generator=generator)
+    windows = torch.stack([ids[s : s + span] for s in starts.tolist()])
+    return with_bos(windows, bos) if span < seqlen else windows
+
+
+def bos_of(tokenizer) -> int | None:
+    """The BOS id when ``tokenizer`` adds one at the head of what it encodes (Llama, Gemma, a
+    converted GGUF whose ``tokenizer.ggml.add_bos_token`` is true), else None (GPT-2, Qwen, SmolLM2):
+    a window such a model reads starts with it, as lm-eval's requests do."""
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is None:
+        return None
+    try:
+        found = tokenizer("a", verbose=False).input_ids
+        plain = tokenizer("a", add_special_tokens=False, verbose=False).input_ids
+    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode plain text: no BOS rule to follow
+        return None
+    return int(bos) if found and found[0] == bos and (not plain or plain[0] != bos) else None
+
+
+def with_bos(windows: torch.Tensor, bos: int | None) -> torch.Tensor:
+    """``windows`` [n, L] with a column of ``bos`` before them ([n, L + 1]); as they are for None."""
+    if bos is None:
+        return windows
+    return torch.cat([torch.full((windows.shape[0], 1), bos, dtype=windows.dtype), windows], dim=1)
 
 
 DOCUMENT_SEPARATOR = EOS  # "<|endoftext|>": the separator between pre-training documents of GPT-2-style vocabularies

@@ -118,7 +118,7 @@ def _write(source: Path, out: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where = dict(pretrained_model_name_or_path=str(source.parent), gguf_file=source.name)
-    tokenizer = AutoTokenizer.from_pretrained(**where)
+    tokenizer = keep_bos_flag(AutoTokenizer.from_pretrained(**where), source)
     loaded = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32)
     config = loaded.config
     if hasattr(config, "quantization_config"):
@@ -133,6 +133,34 @@ def _write(source: Path, out: Path) -> None:
     del loaded
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
+
+
+def gguf_flag(source: Path, key: str) -> bool | None:
+    """A boolean of the GGUF file's metadata (``tokenizer.ggml.add_bos_token``), None when absent."""
+    import gguf
+
+    field = gguf.GGUFReader(source).fields.get(key)
+    if field is None or not field.data:
+        return None
+    return bool(field.parts[field.data[0]][0])
+
+
+def keep_bos_flag(tokenizer, source: Path):
+    """The tokenizer transformers' GGUF reader built, made to add the BOS the file says the model's
+    tokenizer adds (``tokenizer.ggml.add_bos_token``; the reader drops it for some families: Gemma 3's
+    converted tokenizer added none, and its perplexity read 142 instead of 31), by a post-processor
+    of the fast tokenizer that puts it at the head of every encoding, as llama.cpp does."""
+    from tokenizers import processors
+
+    from fairprune.data.text import bos_of
+
+    if not gguf_flag(source, "tokenizer.ggml.add_bos_token") or tokenizer.bos_token_id is None or bos_of(tokenizer) is not None:
+        return tokenizer
+    bos = tokenizer.bos_token
+    tokenizer._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tokenizer.bos_token_id)])
+    tokenizer.add_bos_token = True
+    return tokenizer
 
 
 def _remove_stale(models: Path) -> None:

@@ -373,7 +373,11 @@ def run_tasks(model, tokenizer, specs: Sequence[TaskSpec], *, limit: float | Non
     was_training = model.training
     try:
         with _quiet(progress):
-            lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
+            # A tokenizer that adds a BOS gets it on every request, as on every window the project reads.
+            from fairprune.data.text import bos_of
+
+            lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
+                      add_bos_token=True if bos_of(tokenizer) is not None else None)
             if streamed:  # HFLM takes a given model's device from its parameters: "meta" until a part is read
                 lm._device = torch.device(device)
             results = simple_evaluate(model=lm, tasks=configs, limit=limit, num_fewshot=num_fewshot, log_samples=True,

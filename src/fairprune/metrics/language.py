@@ -45,7 +45,13 @@ from torch import nn
 from fairprune import distributed
 from fairprune.causal.blocks import as_blocks, device_of
 from fairprune.data.pairs import direction
-from fairprune.data.text import document_start, encode_sentence, join_documents  # noqa: F401 (document_start: public here too)
+from fairprune.data.text import (  # noqa: F401 (document_start: public here too)
+    bos_of,
+    document_start,
+    encode_sentence,
+    join_documents,
+    with_bos,
+)
 from fairprune.errors import UserError
 from fairprune.storage.arrays import open_npz
 
@@ -109,7 +115,8 @@ def window_losses(
     if batch_size < 1:
         raise UserError(f"perplexity batch size must be at least 1, got {batch_size}")
     blocks = as_blocks(model)
-    windows = eval_windows(blocks.model, eval_ids(text_or_ids, tokenizer, max_tokens), seqlen, max_tokens)
+    windows = eval_windows(blocks.model, eval_ids(text_or_ids, tokenizer, max_tokens), seqlen, max_tokens,
+                           bos_of(tokenizer) if tokenizer is not None else None)
     nll, count, _ = _scores(blocks, _Batches(windows, [], batch_size), device, progress)
     return nll, count
 
@@ -196,15 +203,21 @@ def eval_ids(text_or_ids: str | Iterable[str] | torch.Tensor, tokenizer=None, ma
         ids = text_or_ids.flatten().long()
     elif tokenizer is None:
         raise UserError("perplexity of raw text needs a tokenizer; pass tokenizer=... or token ids")
-    else:
-        ids = tokenizer(join_documents(text_or_ids), return_tensors="pt", verbose=False).input_ids[0]
+    else:  # with a BOS-adding tokenizer the stream is the text alone: each window gets its BOS (eval_windows)
+        special = bos_of(tokenizer) is None
+        ids = tokenizer(join_documents(text_or_ids), return_tensors="pt", add_special_tokens=special,
+                        verbose=False).input_ids[0]
     return ids[:max_tokens]
 
 
-def eval_windows(model: nn.Module, ids: torch.Tensor, seqlen: int | None, max_tokens: int | None = None) -> torch.Tensor:
+def eval_windows(model: nn.Module, ids: torch.Tensor, seqlen: int | None, max_tokens: int | None = None,
+                 bos: int | None = None) -> torch.Tensor:
     """1-D evaluation ``ids`` cut into whole non-overlapping windows ``[windows, seqlen]`` (the
     tail shorter than a window dropped; ``seqlen`` None: the model's context length), each check a
-    one-line :class:`UserError` (``max_tokens``: the cap the ids were cut to, named in the message)."""
+    one-line :class:`UserError` (``max_tokens``: the cap the ids were cut to, named in the message).
+    With ``bos`` (a tokenizer that adds one: :func:`fairprune.data.text.bos_of`) every window is the
+    BOS and the next ``seqlen - 1`` tokens, so every token of the text is predicted once, each
+    window read as a document the model was trained on."""
     limit = _context_length(model)
     seqlen = seqlen or limit
     if seqlen is None:
@@ -215,12 +228,13 @@ def eval_windows(model: nn.Module, ids: torch.Tensor, seqlen: int | None, max_to
     if limit is not None and seqlen > limit:
         raise UserError(f"seqlen {seqlen} exceeds the model's context length {limit}; use --seqlen {limit} or less")
     ids = ids.flatten().long()
-    windows = ids.numel() // seqlen
+    span = seqlen - 1 if bos is not None else seqlen
+    windows = ids.numel() // span
     if windows == 0:
         capped = f" (capped by --eval_tokens {max_tokens})" if max_tokens is not None else ""
         raise UserError(f"evaluation text has {ids.numel()} tokens{capped}, fewer than one window of {seqlen}; "
                         "give more text or a smaller seqlen")
-    return ids[: windows * seqlen].view(windows, seqlen)
+    return with_bos(ids[: windows * span].view(windows, span), bos)
 
 
 def _context_length(model: nn.Module) -> int | None:
@@ -244,7 +258,7 @@ def measure_lm_items(model, tokenizer, eval_text: str | torch.Tensor, eval_pairs
     if not eval_pairs:
         raise UserError("no sentence pairs given; pass (stereotypical, anti-stereotypical) pairs, e.g. from read_stereoset")
     blocks = as_blocks(model)
-    windows = eval_windows(blocks.model, eval_ids(eval_text, tokenizer, eval_tokens), seqlen, eval_tokens)
+    windows = eval_windows(blocks.model, eval_ids(eval_text, tokenizer, eval_tokens), seqlen, eval_tokens, bos_of(tokenizer))
     nll, count, outcomes = measure_items(blocks, tokenizer, windows, eval_pairs, device=device, progress=progress)
     items = LMItems(nll.numpy(), count.numpy(), *(outcomes[k].numpy() for k in ("win", "decided", "anti")))
     return {"perplexity": perplexity_of(nll, count), **scores_of(**outcomes)}, items

@@ -40,7 +40,7 @@ import fairprune
 from fairprune import distributed
 from fairprune.causal.blocks import as_blocks
 from fairprune.data.pairs import direction
-from fairprune.data.text import encode_sentence
+from fairprune.data.text import bos_of, encode_sentence
 from fairprune.hub import cache_dir
 from fairprune.metrics.language import STEREOTYPE_KEYS, LMItems, measure_lm_items
 from fairprune.reporting.environment import environment
@@ -114,7 +114,7 @@ def cache_key(model, tokenizer, eval_ids: torch.Tensor, eval_pairs: list, window
         "pairs": _ids_digest([*pair_ids, [int(direction(pair) == "antistereo") for pair in eval_pairs]]),
         "window": int(window), "eval_tokens": eval_tokens,
         "device": torch.device(device).type, "dtype": str(as_blocks(model).dtype),
-        "libraries": library_versions(),
+        "libraries": library_versions(), "bos": bos_of(tokenizer),
     }
 
 

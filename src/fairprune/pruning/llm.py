@@ -28,7 +28,7 @@ from fairprune.causal.blocks import as_blocks
 from fairprune.causal.experts import fused_experts
 from fairprune.causal.families import Family, family_of, linear_weight, set_linear_weight
 from fairprune.data.pairs import LMTexts
-from fairprune.data.text import document_start
+from fairprune.data.text import bos_of, document_start
 from fairprune.errors import UserError
 from fairprune.hub.checks import nonfinite
 from fairprune.metrics.bootstrap import lm_intervals, lm_paired
@@ -77,10 +77,13 @@ def evaluation_facts(ids: torch.Tensor, window: int, eval_tokens: int | None, ev
     """What perplexity was measured on: the tokens scored (whole windows of ``ids``), the cap asked
     for, the window, the number of stereotype pairs, and the token each paired sentence is scored
     after (:func:`fairprune.data.text.document_start`: the plain document start, never a chat token)."""
-    facts = {"tokens": ids.numel() // window * window, "eval_tokens": eval_tokens, "window": window,
+    bos = bos_of(tokenizer) if tokenizer is not None else None
+    span = window - 1 if bos is not None else window  # a BOS heads every window: the text fills the rest
+    facts = {"tokens": ids.numel() // span * span, "eval_tokens": eval_tokens, "window": window,
              "pairs": len(eval_pairs)}
     if tokenizer is not None:
         facts["document_start"] = document_start(tokenizer)[0]
+        facts["bos"] = tokenizer.convert_ids_to_tokens(bos) if bos is not None else None
     return facts
 
 

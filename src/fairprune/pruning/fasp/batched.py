@@ -134,11 +134,12 @@ def _pass(blocks, windows: torch.Tensor, group: list[_Chunk], sums: torch.Tensor
 
 
 def perplexities(model, ids: torch.Tensor, seqlen: int, batch_size: int, configs: torch.Tensor, rows_per_pass: int,
-                 device=None, progress: bool = False) -> list[float]:
+                 device=None, progress: bool = False, bos: int | None = None) -> list[float]:
     """Perplexity of every configuration on the non-overlapping ``seqlen`` windows of ``ids``
-    (``model``: an ``nn.Module`` or a block model; ``device``: where it runs, None: its own)."""
+    (``model``: an ``nn.Module`` or a block model; ``device``: where it runs, None: its own;
+    ``bos``: the BOS every window starts with, as :func:`fairprune.metrics.language.eval_windows`)."""
     blocks = as_blocks(model)
-    windows = eval_windows(blocks.model, ids, seqlen)
+    windows = eval_windows(blocks.model, ids, seqlen, bos=bos)
     sums = window_nll(blocks, windows, configs, batch_size, rows_per_pass, device or blocks.run_device(), progress)
     # Per configuration and window, as metrics.language.perplexity sums them: each window's NLL in
     # float64, the windows added in order with math.fsum, so both paths give the same figure.

@@ -26,9 +26,9 @@ from torch import nn
 
 from fairprune import distributed
 from fairprune.causal.blocks import BlockModel, as_blocks
-from fairprune.data.text import join_documents
+from fairprune.data.text import bos_of
 from fairprune.errors import UserError, suggest
-from fairprune.metrics.language import eval_windows, perplexity_of
+from fairprune.metrics.language import eval_ids, eval_windows, perplexity_of
 from fairprune.metrics.toxicity import ToxicityScorer, bias_by_axis, make_scorer, scorer_name
 from fairprune.pruning.fasp.batched import auto_rows, perplexities, window_nll
 from fairprune.pruning.fasp.sampling import Generation, generate_configurations, generate_continuations
@@ -58,8 +58,10 @@ def measure_bias(model, tokenizer, prompts: pd.DataFrame, scorer: ToxicityScorer
 
 
 def token_ids(tokenizer, text: str | Sequence[str]) -> torch.Tensor:
-    """The evaluation text tokenized once (documents joined by blank lines), 1-D."""
-    return tokenizer(join_documents(text), return_tensors="pt", verbose=False).input_ids[0]
+    """The evaluation text tokenized once (documents joined by blank lines), 1-D, as every LM
+    command reads it (:func:`fairprune.metrics.language.eval_ids`: without a BOS a tokenizer would
+    add once, since each window gets its own)."""
+    return eval_ids(text, tokenizer)
 
 
 @dataclass
@@ -99,7 +101,7 @@ class Evaluator:
         was_training = blocks.model.training
         blocks.model.eval()
         try:
-            windows = eval_windows(blocks.model, self.ppl_ids, self.seqlen)
+            windows = eval_windows(blocks.model, self.ppl_ids, self.seqlen, bos=bos_of(self.tokenizer))
             nll = window_nll(blocks, windows, None, self.ppl_batch_size, self.ppl_batch_size, device, bars)[0]
             toxicity = prompt_toxicity(blocks, self.tokenizer, self.prompts, self.scorer, self.generation, device)
         finally:
@@ -118,7 +120,8 @@ class Evaluator:
         blocks.model.eval()
         try:
             ppl = perplexities(blocks, self.ppl_ids, self.seqlen, self.ppl_batch_size, configs,
-                               self.max_batch or auto_rows(blocks, self.seqlen, device), device, bars)
+                               self.max_batch or auto_rows(blocks, self.seqlen, device), device, bars,
+                               bos=bos_of(self.tokenizer))
             texts = generate_configurations(blocks, self.tokenizer, self.prompts.text.tolist(), configs,
                                             self.generation, self._generation_rows(), device, bars)
         finally:
