@@ -198,9 +198,9 @@ def test_gemma_reads_its_bos_at_the_head_of_every_window(tmp_path):
     import json
 
     import torch
-    from tiny_models import builder
 
     from fairprune.data.text import bos_of, calibration_ids
+    from tiny_models import builder
 
     tokenizer = _bos_tokenizer(tmp_path)
     bos = tokenizer.bos_token_id
@@ -232,9 +232,9 @@ def test_a_converted_gguf_keeps_its_bos_flag(tmp_path, monkeypatch):
     import json
 
     import torch
-    from tiny_models import builder, write_gguf
 
     from fairprune.data.text import bos_of
+    from tiny_models import builder, write_gguf
 
     monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path / "cache"))
     tokenizer = _bos_tokenizer(tmp_path)
