@@ -89,9 +89,9 @@ def convert(source: Path, folder: Path) -> None:
                             f"run pip install gguf accelerate (make installs them)")
     from fairprune.hub.gguf_header import check_gguf
 
-    check_gguf(source)  # its header as the format defines it, before transformers' reader trusts it
     folder.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale(folder.parent)
+    check_gguf(source)  # its header as the format defines it, before transformers' reader trusts it
     start = time.perf_counter()
     print(f"[hub] converting {source.name} into {folder} (once; later runs load the folder) ...", flush=True)
     partial = Path(tempfile.mkdtemp(prefix=f".partial-{folder.name}-", dir=folder.parent))
