@@ -1,0 +1,89 @@
+"""Benchmark: LM work on a busy machine, by OpenMP wait policy and thread count.
+
+Run: ``.venv/bin/python bench/shared_machine.py [--rounds 3]`` (about two minutes on two cores).
+
+A SparseGPT prune of one SmolLM2-135M-shaped Llama block (hidden 576, MLP 1536, 64 calibration
+windows of 128 tokens: the calibration forward, the Hessians and the solve, through
+``fairprune.pruning.llm.prune_causal_lm``) runs in a fresh process per measurement, so that each
+starts its OpenMP runtime with its own settings:
+
+- ``2 threads, active``: torch's default on two cores, OpenMP's default wait policy (GNU OpenMP's
+  threads spin for a while when they wait for work);
+- ``2 threads, passive``: ``OMP_WAIT_POLICY=PASSIVE`` (waiting threads sleep at once), what the
+  prune.py and train.py command lines set unless the environment says otherwise;
+- ``1 thread``.
+
+Each runs on an idle machine and beside one busy process (a Python loop spinning on one core, as
+another user's job would), the configurations taking turns in every round so that load hits them
+alike. Results (median seconds, and each against one thread on the same machine state):
+``bench/results/shared_machine.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+OUT = Path(__file__).resolve().parent / "results" / "shared_machine"
+CONFIGS = {"2 threads, active": ("2", "ACTIVE"), "2 threads, passive": ("2", "PASSIVE"), "1 thread": ("1", "PASSIVE")}
+
+WORK = """
+import time, torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from fairprune.pruning.llm import prune_causal_lm
+from fairprune.pruning.sparsity import Sparsity
+torch.manual_seed(0)
+model = LlamaForCausalLM(LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=1, num_attention_heads=9,
+                                     num_key_value_heads=3, vocab_size=512, max_position_embeddings=256)).eval()
+ids = torch.randint(0, 512, (64, 128), generator=torch.Generator().manual_seed(1))
+tick = time.perf_counter()
+prune_causal_lm(model, "sparsegpt", Sparsity.parse(0.5), ids, progress=False)
+print(time.perf_counter() - tick)
+"""
+
+
+def measure(threads: str, policy: str) -> float:
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "OMP_WAIT_POLICY": policy, "MKL_NUM_THREADS": threads}
+    done = subprocess.run([sys.executable, "-c", WORK], env=env, capture_output=True, text=True, check=True)
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    seconds: dict[str, dict[str, list[float]]] = {state: {c: [] for c in CONFIGS} for state in ("idle", "busy")}
+    for state in ("idle", "busy"):
+        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if state == "busy" else None
+        try:
+            time.sleep(0.5)
+            for _ in range(args.rounds):
+                for name, (threads, policy) in CONFIGS.items():
+                    seconds[state][name].append(measure(threads, policy))
+                    print(state, name, f"{seconds[state][name][-1]:.2f} s", flush=True)
+        finally:
+            if spinner is not None:
+                spinner.kill()
+                spinner.wait()
+    medians = {state: {c: statistics.median(v) for c, v in found.items()} for state, found in seconds.items()}
+    OUT.parent.mkdir(parents=True, exist_ok=True)
+    OUT.with_suffix(".json").write_text(json.dumps({"machine": platform.processor() or platform.machine(),
+                                                    "cores": os.cpu_count(), "rounds": args.rounds,
+                                                    "seconds": seconds, "median": medians}, indent=1))
+    lines = ["| machine | configuration | median seconds | against 1 thread |", "|---|---|---|---|"]
+    for state, found in medians.items():
+        for name, value in found.items():
+            lines.append(f"| {state} | {name} | {value:.2f} | ×{value / found['1 thread']:.2f} |")
+    OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
