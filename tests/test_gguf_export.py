@@ -46,7 +46,7 @@ def pruned_folder(root: Path, tokenizer, family: str, **config) -> Path:
     model = tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(family, **{**fields, **config}))
     with torch.no_grad():
         for name, param in model.named_parameters():
-            if ".layers." in name and param.dim() == 2:
+            if ".layers." in name and param.dim() >= 2 and "gate.weight" not in name:  # fused experts too; routers dense
                 param[param.abs() < param.abs().median()] = 0
     folder = root / family
     model.save_pretrained(folder)
@@ -232,3 +232,36 @@ def test_a_killed_exports_temporary_file_is_removed(tmp_path, corpus, one_thread
     alive.write_bytes(b"GGUF")
     assert export(folder, path, "f16", eval_text) == 0
     assert not dead.exists() and alive.exists()
+
+
+# Qwen3-MoE: transformers' reader takes the experts' width from its config default (768), as the
+# real Qwen3-30B-A3B has it; llama.cpp's file splits the fused gate / up experts in two.
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=768, head_dim=16, norm_topk_prob=True)
+
+
+@pytest.mark.parametrize("gguf_type", ["f16", "q4_0"])
+def test_qwen3_moe_round_trip_through_transformers(tmp_path, corpus, one_thread, gguf_type):
+    tokenizer, eval_text = corpus
+    folder = pruned_folder(tmp_path, tokenizer, "qwen3_moe", **MOE)
+    path = tmp_path / "out" / f"moe.{gguf_type}.gguf"
+    assert export(folder, path, gguf_type, eval_text) == 0
+    reader = gguf.GGUFReader(path)
+    names = {t.name for t in reader.tensors}
+    assert {"blk.0.ffn_gate_exps.weight", "blk.0.ffn_up_exps.weight", "blk.0.ffn_down_exps.weight",
+            "blk.0.ffn_gate_inp.weight"} <= names
+    loaded = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    assert type(loaded).__name__ == "Qwen3MoeForCausalLM"
+    ids = tokenizer(eval_text.read_text()[:400], return_tensors="pt").input_ids[:, :48]
+    torch.testing.assert_close(logits(loaded, ids), logits(rounded_source(folder, gguf_type), ids), rtol=0, atol=1e-5)
+    report = json.loads((path.parent / f"moe.{gguf_type}.report.json").read_text())
+    assert report["pruned_zeros"]["fraction_kept"] == 1.0 and report["pruned_zeros"]["share"] > 0.4
+    source = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    experts = source.model.layers[0].mlp.experts.gate_up_proj
+    assert (loaded.model.layers[0].mlp.experts.gate_up_proj[experts == 0] == 0).all()
+
+
+def test_a_moe_llama_cpp_would_compute_otherwise_is_refused(tmp_path, corpus, capsys):
+    tokenizer, eval_text = corpus
+    folder = pruned_folder(tmp_path, tokenizer, "qwen3_moe", **{**MOE, "norm_topk_prob": False})
+    assert export(folder, tmp_path / "m.gguf", "f16", eval_text) == 2
+    assert "norm_topk_prob false" in last_error(capsys) and not (tmp_path / "m.gguf").exists()

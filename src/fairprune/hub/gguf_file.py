@@ -65,6 +65,7 @@ FAMILIES = {
     "mistral": GGUFFamily("llama", permute_qk=True, llama_keys=True),
     "qwen2": GGUFFamily("qwen2", permute_qk=False),
     "qwen3": GGUFFamily("qwen3", permute_qk=False),
+    "qwen3_moe": GGUFFamily("qwen3moe", permute_qk=False),
 }
 
 #: llama.cpp's name of a byte-level pre-tokenizer, by its shape in ``tokenizer.json``.
@@ -230,6 +231,18 @@ def _add_hyperparameters(writer: Any, model: nn.Module, family: GGUFFamily, gguf
     if head_dim(config) != config.hidden_size // config.num_attention_heads:
         writer.add_key_length(head_dim(config))
         writer.add_value_length(head_dim(config))
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if experts:  # mixture of experts: as convert_hf_to_gguf writes them
+        if getattr(config, "mlp_only_layers", None) or int(getattr(config, "decoder_sparse_step", 1) or 1) != 1:
+            raise UserError("--format gguf: this model mixes dense and mixture-of-experts layers "
+                            "(mlp_only_layers / decoder_sparse_step), which llama.cpp's file does not hold")
+        if getattr(config, "norm_topk_prob", True) is False:
+            raise UserError("--format gguf: this model does not renormalise its top-k expert weights "
+                            "(norm_topk_prob false); llama.cpp's file and transformers' reader both do, so the file "
+                            "would compute another model")
+        writer.add_expert_count(int(experts))
+        writer.add_expert_used_count(int(config.num_experts_per_tok))
+        writer.add_expert_feed_forward_length(int(config.moe_intermediate_size))
     if family.llama_keys:
         writer.add_vocab_size(int(config.vocab_size))
         writer.add_rope_dimension_count(head_dim(config))
@@ -258,12 +271,38 @@ def _tensors(model: nn.Module, family: GGUFFamily) -> list[tuple[str, str, torch
     for hf_name, tensor in model.state_dict().items():
         if tied and hf_name == "lm_head.weight":
             continue
+        if tensor.dim() == 3 and hf_name.endswith(".gate_up_proj"):  # fused [gate; up] experts: two tensors in the file
+            half = tensor.shape[1] // 2
+            for part, start in (("gate_proj", 0), ("up_proj", half)):
+                name = names.get_name(f"{hf_name.rsplit('.', 1)[0]}.{part}")
+                if name is None:
+                    raise UserError(f"--format gguf: tensor {hf_name} of this {config.model_type} model has no llama.cpp "
+                                    "name; it cannot be exported")
+                found.append((f"{name}.weight", hf_name, Part(tensor, 1, start, half)))
+            continue
         name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if name is None:
             raise UserError(f"--format gguf: tensor {hf_name} of this {config.model_type} model has no llama.cpp name; "
                             "it cannot be exported")
-        found.append((name, hf_name, tensor))
+        found.append((f"{name}.weight" if tensor.dim() == 3 and not name.endswith(".weight") else name, hf_name, tensor))
     return found
+
+
+class Part(NamedTuple):
+    """A slice of a transformers tensor written as a tensor of its own (fused experts' gate or up
+    half): ``whole`` narrowed along ``dim`` from ``start`` for ``length``."""
+
+    whole: torch.Tensor
+    dim: int
+    start: int
+    length: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.whole.narrow(self.dim, self.start, self.length).shape
+
+    def detach(self) -> torch.Tensor:
+        return self.whole.detach().narrow(self.dim, self.start, self.length)
 
 
 def tensor_type(name: str, shape: tuple[int, ...], gguf_type: str) -> Any:
@@ -345,7 +384,12 @@ def write_gguf(model: nn.Module, tokenizer: Any, path: str | os.PathLike, gguf_t
             back = gguf.quants.dequantize(stored, plan.qtype).reshape(data.shape)
             if plan.heads is not None:
                 back = unpermute(back, *plan.heads)
-            rounded[plan.hf_name] = torch.from_numpy(np.ascontiguousarray(back, dtype=np.float32))
+            back = torch.from_numpy(np.ascontiguousarray(back, dtype=np.float32))
+            if isinstance(plan.tensor, Part):  # its slice of the transformers tensor
+                whole = rounded.setdefault(plan.hf_name, torch.empty(plan.tensor.whole.shape, dtype=torch.float32))
+                whole.narrow(plan.tensor.dim, plan.tensor.start, plan.tensor.length).copy_(back)
+            else:
+                rounded[plan.hf_name] = back
             counts[plan.qtype.name] = counts.get(plan.qtype.name, 0) + 1
     finally:
         writer.close()

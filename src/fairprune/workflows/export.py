@@ -318,12 +318,15 @@ def pruned_zeros(source: Any, loaded: Any) -> dict[str, Any]:
     from fairprune.causal.blocks import Resident
 
     zeros = kept = total = 0
-    for name, layer in Resident(source).layers().items():
-        mask = layer.weight == 0
-        back = loaded.get_submodule(name).weight
-        zeros += int(mask.sum())
-        kept += int((back[mask] == 0).sum())
-        total += mask.numel()
+    ours, theirs = Resident(source), Resident(loaded)
+    for block, back_block in zip(ours.blocks, theirs.blocks):  # every unit the methods prune: experts too
+        back_units = theirs.family.block_units(back_block)
+        for name, unit in ours.family.block_units(block).items():
+            mask = unit.weight == 0
+            back = back_units[name].weight
+            zeros += int(mask.sum())
+            kept += int((back[mask] == 0).sum())
+            total += mask.numel()
     return {"source": zeros, "kept": kept, "fraction_kept": kept / zeros if zeros else 1.0,
             "share": zeros / total if total else 0.0}
 
