@@ -223,7 +223,9 @@ def test_compare_quantizes_the_float_rows_model_without_pruning_again(llama_fold
     pruned = json.loads((out / "sparsegpt_0.5" / "report.json").read_text())
     assert report["pruned_from"] == str(out / "sparsegpt_0.5") and "pruned_from" not in pruned
     assert report["seconds"]["prune"] == 0.0 and report["seconds"]["solve"] == 0.0 and report["seconds"]["quantize"] > 0
-    assert report["calibration"] == pruned["calibration"] and report["achieved_sparsity"] == pruned["achieved_sparsity"]
+    assert report["calibration"] == pruned["calibration"] and report["sparsity"]["solver_achieved"] == pruned["achieved_sparsity"]
+    # as written: the pruned zeros and the small weights the 4-bit grid rounds to zero
+    assert report["achieved_sparsity"] >= pruned["achieved_sparsity"] == pytest.approx(0.5, abs=1e-3)
     assert report["metrics"] == pytest.approx(json.loads((tmp_path / "single" / "report.json").read_text())["metrics"])
     assert (out / "sparsegpt_0.5_w4a16" / "sparsity.csv").read_text() == (out / "sparsegpt_0.5" / "sparsity.csv").read_text()
     from test_docs import _data_names, _documented, _report_keys
