@@ -81,6 +81,7 @@ bench: $(STAMP)
 	$(PY) bench/deploy.py
 	$(PY) bench/shared_statistics.py
 	$(PY) bench/moe_calibrate.py
+	$(PY) bench/shared_machine.py
 
 # The documentation site (docs/, mkdocs.yml) into site/; --strict: a warning, a broken link or a page
 # missing from the nav fails the build.

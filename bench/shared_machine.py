@@ -5,13 +5,11 @@ Run: ``.venv/bin/python bench/shared_machine.py [--rounds 3]`` (about two minute
 A SparseGPT prune of one SmolLM2-135M-shaped Llama block (hidden 576, MLP 1536, 64 calibration
 windows of 128 tokens: the calibration forward, the Hessians and the solve, through
 ``fairprune.pruning.llm.prune_causal_lm``) runs in a fresh process per measurement, so that each
-starts its OpenMP runtime with its own settings:
-
-- ``2 threads, active``: torch's default on two cores, OpenMP's default wait policy (GNU OpenMP's
-  threads spin for a while when they wait for work);
-- ``2 threads, passive``: ``OMP_WAIT_POLICY=PASSIVE`` (waiting threads sleep at once), what the
-  prune.py and train.py command lines set unless the environment says otherwise;
-- ``1 thread``.
+starts its OpenMP runtime with its own settings: two threads with OpenMP's default wait (GNU
+OpenMP's waiting threads spin for a while), with ``OMP_WAIT_POLICY=PASSIVE`` (they sleep at once),
+with ``GOMP_SPINCOUNT`` 10k and 1k; one thread; and the command lines' default
+(:func:`fairprune.cli.fit_threads`: the defaults on an idle machine, on a busy one as many threads
+as idle cores, waiting passively).
 
 Each runs on an idle machine and beside one busy process (a Python loop spinning on one core, as
 another user's job would), the configurations taking turns in every round so that load hits them
@@ -32,9 +30,14 @@ import time
 from pathlib import Path
 
 OUT = Path(__file__).resolve().parent / "results" / "shared_machine"
-CONFIGS = {"2 threads, active": ("2", "ACTIVE"), "2 threads, passive": ("2", "PASSIVE"), "1 thread": ("1", "PASSIVE")}
+CONFIGS = {"2 threads, OpenMP's default": ("2", None, None), "2 threads, passive": ("2", "PASSIVE", None),
+           "2 threads, spin 10k": ("2", None, "10000"), "2 threads, spin 1k": ("2", None, "1000"),
+           "1 thread": ("1", None, None), "the command lines' default": (None, None, None)}
 
 WORK = """
+import sys
+if sys.argv[1:] == ["cli"]:  # as prune.py starts: the threads fitted to the machine before torch loads
+    import fairprune.cli
 import time, torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from fairprune.pruning.llm import prune_causal_lm
@@ -49,9 +52,14 @@ print(time.perf_counter() - tick)
 """
 
 
-def measure(threads: str, policy: str) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": threads, "OMP_WAIT_POLICY": policy, "MKL_NUM_THREADS": threads}
-    done = subprocess.run([sys.executable, "-c", WORK], env=env, capture_output=True, text=True, check=True)
+def measure(threads: str | None, policy: str | None, spin: str | None) -> float:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    if threads is not None:
+        env.update({"OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads})
+    env.update({**({"OMP_WAIT_POLICY": policy} if policy else {}), **({"GOMP_SPINCOUNT": spin} if spin else {})})
+    argv = [] if threads is not None else ["cli"]
+    done = subprocess.run([sys.executable, "-c", WORK, *argv], env=env, capture_output=True, text=True, check=True)
     return float(done.stdout.strip().splitlines()[-1])
 
 
@@ -65,8 +73,8 @@ def main() -> None:
         try:
             time.sleep(0.5)
             for _ in range(args.rounds):
-                for name, (threads, policy) in CONFIGS.items():
-                    seconds[state][name].append(measure(threads, policy))
+                for name, (threads, policy, spin) in CONFIGS.items():
+                    seconds[state][name].append(measure(threads, policy, spin))
                     print(state, name, f"{seconds[state][name][-1]:.2f} s", flush=True)
         finally:
             if spinner is not None:

@@ -251,3 +251,37 @@ def test_a_converted_gguf_keeps_its_bos_flag(tmp_path, monkeypatch):
 
     converted = next((tmp_path / "cache").rglob("tokenizer.json")).parent
     assert bos_of(AutoTokenizer.from_pretrained(converted)) == tokenizer.bos_token_id
+
+
+# --- Threads that fit a shared machine ------------------------------------------------------------
+
+def _chosen(env: dict[str, str]) -> list[str]:
+    import subprocess
+    import sys
+
+    code = ("import os, fairprune.cli; print(os.environ.get('OMP_NUM_THREADS'), os.environ.get('OMP_WAIT_POLICY'), "
+            "os.environ.get('FAIRPRUNE_THREADS_CHOSEN'))")
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True).stdout.split(" ", 2)
+
+
+def test_a_busy_machine_gets_the_idle_cores_and_passive_waits():
+    import subprocess
+    import sys
+
+    cores = len(os.sched_getaffinity(0))
+    if not 2 <= cores <= 8:
+        pytest.skip("keeps all but one of 2 to 8 cores busy")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "MKL_NUM_THREADS")}
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(cores - 1)]
+    try:
+        import time
+
+        time.sleep(0.5)
+        threads, policy, why = _chosen(env)
+        given = _chosen({**env, "OMP_NUM_THREADS": "2"})  # the user's own setting is kept
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert int(threads) <= 1 + cores // 4 and policy == "PASSIVE" and "cores busy with other processes" in why
+    assert given[0] == "2" and given[1] == "None"

@@ -87,7 +87,8 @@ def hardware() -> dict[str, Any]:
                **{name: os.environ[name] for name in KERNEL_VARIABLES if name in os.environ}}
     return {"cpu": cpu_model(), "logical_cores": os.cpu_count(), "usable_cores": usable,
             "torch_threads": torch.get_num_threads(), "gpus": gpus(), "os": platform.platform(),
-            "cpu_kernels": kernels}
+            "cpu_kernels": kernels,
+            **({"threads_chosen": os.environ["FAIRPRUNE_THREADS_CHOSEN"]} if "FAIRPRUNE_THREADS_CHOSEN" in os.environ else {})}
 
 
 def environment() -> dict[str, Any]:
