@@ -77,6 +77,7 @@ def test_eval_tokens_caps_the_perplexity_tokens(lm, tmp_path):
     assert capped["metrics"]["perplexity"] == pytest.approx(direct, rel=1e-9)
     assert capped["metrics"]["perplexity"] != pytest.approx(full["metrics"]["perplexity"], rel=1e-6)
     assert capped["evaluation"] == {"tokens": 224, "eval_tokens": 250, "window": 32, "pairs": full["evaluation"]["pairs"],
+                                    "bos": None,
                                     "document_start": full["evaluation"]["document_start"]}
     assert full["evaluation"]["tokens"] == ids.numel() // 32 * 32
     # The stereotype pairs are not capped.

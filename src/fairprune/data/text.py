@@ -29,6 +29,7 @@ import torch
 from fairprune.data.files import Chats
 from fairprune.errors import UserError
 from fairprune.hub import cache_dir
+from fairprune.hub.tokens import bos_of, template_at_fault, with_bos  # noqa: F401 (public here too)
 
 EOS, PAD = "<|endoftext|>", "<|pad|>"
 
@@ -339,7 +340,7 @@ def render_chats(tokenizer, chats: Chats) -> list[str]:
             texts.append(tokenizer.apply_chat_template(messages, tokenize=False))
         except Exception as err:  # jinja2's TemplateError (raise_exception in the template) and the like
             reason = (str(err).splitlines() or [""])[0]
-            if _template_at_fault(err):
+            if template_at_fault(err):
                 raise UserError(f"the tokenizer's chat template cannot be rendered safely ({type(err).__name__}: "
                                 f"{reason[:160]}), on any row (first tried: {chats.source}, line {line}); the template "
                                 "in the model's tokenizer files is at fault, not the data: fix or replace the model's "
@@ -347,17 +348,6 @@ def render_chats(tokenizer, chats: Chats) -> list[str]:
             raise UserError(f"{chats.source}: line {line}: the tokenizer's chat template refused this row "
                             f"({type(err).__name__}: {reason}); fix or drop the row") from None
     return texts
-
-
-def _template_at_fault(err: Exception) -> bool:
-    """Whether rendering failed because of the template itself rather than a row: jinja2's sandbox
-    refusing what the template does (``SecurityError``: an unsafe attribute or call), a range over
-    the sandbox's limit (``OverflowError``), runaway recursion or memory."""
-    try:
-        from jinja2.exceptions import SecurityError
-    except ImportError:  # no jinja2: transformers could not have rendered a template
-        SecurityError = ()  # noqa: N806
-    return isinstance(err, (SecurityError, OverflowError, RecursionError, MemoryError))
 
 
 def render_calib_text(tokenizer, text: str | Chats) -> str | list[str]:
@@ -398,28 +388,6 @@ def calibration_ids(tokenizer, text: str | Iterable[str] | Chats, nsamples: int,
     starts = torch.randint(0, len(ids) - span + 1, (nsamples,), generator=generator)
     windows = torch.stack([ids[s : s + span] for s in starts.tolist()])
     return with_bos(windows, bos) if span < seqlen else windows
-
-
-def bos_of(tokenizer) -> int | None:
-    """The BOS id when ``tokenizer`` adds one at the head of what it encodes (Llama, Gemma, a
-    converted GGUF whose ``tokenizer.ggml.add_bos_token`` is true), else None (GPT-2, Qwen, SmolLM2):
-    a window such a model reads starts with it, as lm-eval's requests do."""
-    bos = getattr(tokenizer, "bos_token_id", None)
-    if bos is None:
-        return None
-    try:
-        found = tokenizer("a", verbose=False).input_ids
-        plain = tokenizer("a", add_special_tokens=False, verbose=False).input_ids
-    except Exception:  # noqa: BLE001 - a tokenizer that cannot encode plain text: no BOS rule to follow
-        return None
-    return int(bos) if found and found[0] == bos and (not plain or plain[0] != bos) else None
-
-
-def with_bos(windows: torch.Tensor, bos: int | None) -> torch.Tensor:
-    """``windows`` [n, L] with a column of ``bos`` before them ([n, L + 1]); as they are for None."""
-    if bos is None:
-        return windows
-    return torch.cat([torch.full((windows.shape[0], 1), bos, dtype=windows.dtype), windows], dim=1)
 
 
 DOCUMENT_SEPARATOR = EOS  # "<|endoftext|>": the separator between pre-training documents of GPT-2-style vocabularies

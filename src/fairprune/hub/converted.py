@@ -152,7 +152,7 @@ def keep_bos_flag(tokenizer, source: Path):
     of the fast tokenizer that puts it at the head of every encoding, as llama.cpp does."""
     from tokenizers import processors
 
-    from fairprune.data.text import bos_of
+    from fairprune.hub.tokens import bos_of
 
     if not gguf_flag(source, "tokenizer.ggml.add_bos_token") or tokenizer.bos_token_id is None or bos_of(tokenizer) is not None:
         return tokenizer
