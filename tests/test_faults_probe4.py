@@ -140,7 +140,7 @@ def _files(folder) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
 
 
-@pytest.mark.parametrize("stream", ["false", "true"])
+@pytest.mark.parametrize("stream", ["false", pytest.param("true", marks=pytest.mark.slow)])  # streamed: make test-slow
 def test_an_interrupted_lm_compare_reuses_its_finished_cells(gpt2, stream):
     from test_signals import Command, _last_stderr_line
 
