@@ -2,7 +2,7 @@
 expert's calibration inputs.
 
 transformers 5 stores a block's experts fused: one 3-D parameter per projection,
-``[experts, out, in]`` (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek: ``gate_up_proj``, ``down_proj``) or
+``[experts, out, in]`` (Mixtral, Qwen2/3-MoE, OLMoE: ``gate_up_proj``, ``down_proj``) or
 ``[experts, in, out]`` where the experts module says ``is_transposed`` (gpt-oss). The experts
 module's eager forward runs each expert as ``F.linear(x, W[e])`` (or ``x @ W[e]``) on the tokens the
 router sent it. This module finds them from the model, with no per-family code:
