@@ -65,7 +65,7 @@ lint: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow
