@@ -29,6 +29,7 @@ product and one exact-sum term for the whole batch (``sparsegpt.PairedHessian``)
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -137,8 +138,9 @@ def run_layerwise(
             layers = {f"{index}.{name}": layer for name, layer in blocks.family.block_units(block).items()}
             stats = {name: make_stat(name, layer) for name, layer in layers.items()} if batches is not None else {}
             if batches is not None:
-                _collect(index, block, layers, stats, batches)
-                _collect_experts(index, block, stats, batches, moe_calibrate, tokens)
+                experts = _Experts(index, block, stats, moe_calibrate)
+                _collect(index, block, layers, stats, batches, experts=experts if experts.recorder.fused else None)
+                experts.finish(tokens)
             for name, layer in layers.items():
                 prune(name, layer, stats.pop(name, None))
             if batches is not None and index + 1 < len(blocks.blocks):
@@ -149,62 +151,67 @@ def run_layerwise(
     return tokens
 
 
-def _collect_experts(index: int, block: nn.Module, stats: dict, batches: list[BlockInput], mode: str,
-                     tokens: dict[str, dict[str, list[int]]]) -> None:
-    """Feed each expert's statistic with the inputs that expert reads (``mode`` all: every token;
-    routed: the tokens the router sends it), one more run of the batches through ``block``; an
-    expert no counted token reached (over every rank) gets ``None``."""
-    recorder = ExpertInputs(block, mode)
-    if not recorder.fused:
-        return
-    current: list[CalibInput] = []
-    calibrated: dict[str, int] = {}
+class _Experts:
+    """Each expert's statistic fed with the inputs that expert reads (``mode`` all: every token;
+    routed: the tokens the router sends it), recorded in the same pass over the batches that feeds
+    the linear layers (:func:`_collect`); :meth:`finish` gives an expert no counted token reached
+    (over every rank) ``None`` and records the token counts."""
 
-    def rows():
-        source = current[0]
-        return source.mask if mode == "routed" and source.mask is not None else None
+    def __init__(self, index: int, block: nn.Module, stats: dict, mode: str):
+        self.index, self.block, self.stats, self.mode = index, block, stats, mode
+        self.recorder = ExpertInputs(block, mode)
+        self.calibrated: dict[str, int] = {}
 
-    def sink(path: str, expert: int, x: torch.Tensor) -> None:
-        name, source = f"{index}.{path}.{expert}", current[0]
-        x = x.detach()
-        if mode == "all":  # every token in order: the batch's own layout, its mask applies
-            x = x.reshape(*source.ids.shape, x.shape[-1])
-            counted = int(source.mask.sum()) if source.mask is not None else source.ids.numel()
-            if source.paired:
-                x0, x1 = x.chunk(2)
-                stats[name].add_pair(x0, x1, source.mask)
+    def recording(self, current: list[CalibInput]):
+        """Record while the batches run; ``current[0]``: the batch being run."""
+        def rows():
+            source = current[0]
+            return source.mask if self.mode == "routed" and source.mask is not None else None
+
+        def sink(path: str, expert: int, x: torch.Tensor) -> None:
+            name, source = f"{self.index}.{path}.{expert}", current[0]
+            x = x.detach()
+            if self.mode == "all":  # every token in order: the batch's own layout, its mask applies
+                x = x.reshape(*source.ids.shape, x.shape[-1])
+                counted = int(source.mask.sum()) if source.mask is not None else source.ids.numel()
+                if source.paired:
+                    x0, x1 = x.chunk(2)
+                    self.stats[name].add_pair(x0, x1, source.mask)
+                else:
+                    self.stats[name].add_batch(x, source.mask)
             else:
-                stats[name].add_batch(x, source.mask)
-        else:
-            counted = len(x)
-            if counted:
-                stats[name].add_batch(x.unsqueeze(0))
-        calibrated[name] = calibrated.get(name, 0) + counted
+                counted = len(x)
+                if counted:
+                    self.stats[name].add_batch(x.unsqueeze(0))
+            self.calibrated[name] = self.calibrated.get(name, 0) + counted
 
-    with recorder.recording(sink, rows):
-        for b in batches:
-            current[:] = [b.source]
-            call_block(index, block, b)
-    names = [f"{index}.{f.path}.{e}" for f in recorder.fused for e in range(num_experts(block, f))]
-    counts = torch.tensor([float(calibrated.get(n, 0)) for n in names], dtype=torch.float64)
-    sizes = {f.module: num_experts(block, f) for f in recorder.fused}  # every rank reduces the same tensors
-    routed = {path: torch.as_tensor(recorder.routed.get(path, torch.zeros(n)), dtype=torch.float64)
-              for path, n in sorted(sizes.items())}
-    if distributed.world()[1] > 1:
-        distributed.all_reduce_sum(counts)
-        for path in routed:
-            distributed.all_reduce_sum(routed[path])
-    for name, count in zip(names, counts.tolist()):
-        if count == 0:
-            stats[name] = None
-    for path, value in routed.items():
-        tokens["routed"][f"{index}.{path}"] = [int(v) for v in value.tolist()]
-    for f in recorder.fused:
-        tokens["calibrated"][f"{index}.{f.path}"] = [int(c) for n, c in zip(names, counts.tolist())
-                                                     if n.startswith(f"{index}.{f.path}.")]
+        return self.recorder.recording(sink, rows)
+
+    def finish(self, tokens: dict[str, dict[str, list[int]]]) -> None:
+        fused, index, block = self.recorder.fused, self.index, self.block
+        if not fused:
+            return
+        names = [f"{index}.{f.path}.{e}" for f in fused for e in range(num_experts(block, f))]
+        counts = torch.tensor([float(self.calibrated.get(n, 0)) for n in names], dtype=torch.float64)
+        sizes = {f.module: num_experts(block, f) for f in fused}  # every rank reduces the same tensors
+        routed = {path: torch.as_tensor(self.recorder.routed.get(path, torch.zeros(n)), dtype=torch.float64)
+                  for path, n in sorted(sizes.items())}
+        if distributed.world()[1] > 1:
+            distributed.all_reduce_sum(counts)
+            for path in routed:
+                distributed.all_reduce_sum(routed[path])
+        for name, count in zip(names, counts.tolist()):
+            if count == 0:
+                self.stats[name] = None
+        for path, value in routed.items():
+            tokens["routed"][f"{index}.{path}"] = [int(v) for v in value.tolist()]
+        for f in fused:
+            tokens["calibrated"][f"{index}.{f.path}"] = [int(c) for n, c in zip(names, counts.tolist())
+                                                         if n.startswith(f"{index}.{f.path}.")]
 
 
-def _collect(index: int, block: nn.Module, layers: dict, stats: dict, batches: list[BlockInput], share: bool = True) -> None:
+def _collect(index: int, block: nn.Module, layers: dict, stats: dict, batches: list[BlockInput], share: bool = True,
+             experts: _Experts | None = None) -> None:
     """Run every batch through ``block`` with hooks feeding each layer's input to its statistic.
 
     Layers that read the very same input tensor (a Llama block's q, k and v projections; its gate
@@ -242,12 +249,13 @@ def _collect(index: int, block: nn.Module, layers: dict, stats: dict, batches: l
         return hook
 
     handles = [layer.register_forward_hook(hook_for(i, name)) for i, (name, layer) in enumerate(layers.items())
-               if not isinstance(layer, ExpertSlice)]  # experts: _collect_experts
+               if not isinstance(layer, ExpertSlice)]  # experts: recorded by ``experts``
     try:
-        for b in batches:
-            current[:] = [b.source]
-            fed.clear()
-            call_block(index, block, b)
+        with experts.recording(current) if experts is not None else contextlib.nullcontext():
+            for b in batches:
+                current[:] = [b.source]
+                fed.clear()
+                call_block(index, block, b)
     finally:
         fed.clear()
         for handle in handles:
