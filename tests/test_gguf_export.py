@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -177,9 +178,10 @@ def test_user_mistakes_are_one_line(tmp_path, corpus, capsys):
 
 def test_failed_check_leaves_nothing(tmp_path, corpus, one_thread, capsys):
     """A Llama with attention biases: llama.cpp stores them, but transformers' reader builds the
-    model without them, so the read-back logits differ: the command fails in one line, no
-    temporary file or report remains (a file not of an export at the output is refused before any
-    work: test_export_replaces_only_what_it_wrote)."""
+    model without them (its config says ``attention_bias`` false), so it would compute another
+    model: the command fails in one line naming the field, no temporary file or report remains (a
+    file not of an export at the output is refused before any work:
+    test_export_replaces_only_what_it_wrote)."""
     tokenizer, eval_text = corpus
     folder = pruned_folder(tmp_path, tokenizer, "llama", attention_bias=True)
     with torch.no_grad():  # biases far from zero, so dropping them shows
@@ -191,7 +193,7 @@ def test_failed_check_leaves_nothing(tmp_path, corpus, one_thread, capsys):
     out.mkdir()
     assert export(folder, out, "f16", eval_text) == 2
     line = last_error(capsys)
-    assert "differs from the source" in line and "nothing was written" in line
+    assert "attention_bias False (the source: True)" in line and "nothing was written" in line
     assert list(out.iterdir()) == []
 
 
@@ -265,3 +267,114 @@ def test_a_moe_llama_cpp_would_compute_otherwise_is_refused(tmp_path, corpus, ca
     folder = pruned_folder(tmp_path, tokenizer, "qwen3_moe", **{**MOE, "norm_topk_prob": False})
     assert export(folder, tmp_path / "m.gguf", "f16", eval_text) == 2
     assert "norm_topk_prob false" in last_error(capsys) and not (tmp_path / "m.gguf").exists()
+
+
+# -- SentencePiece families: Gemma 2 / 3 (norms stored as 1 + w) and Phi-3 (fused qkv / gate-up) ----
+SENTENCEPIECE = {"gemma2": dict(head_dim=256, query_pre_attn_scalar=256), "gemma3_text": dict(head_dim=256, query_pre_attn_scalar=256),
+                 "phi3": {}}
+
+
+@pytest.fixture(scope="module")
+def sp_corpus(tmp_path_factory):
+    """SentencePiece-style tokenizers (Gemma's shape and Llama 2 / Phi-3's, with a space prefix)
+    trained on the bundled corpus, and that corpus's validation text."""
+    from fairprune.data.text import lm_corpus
+    from tiny_models import train_sentencepiece_bpe
+
+    root = tmp_path_factory.mktemp("sp")
+    texts = lm_corpus(train_docs=30, validation_docs=4, seed=3)
+    (root / "eval.txt").write_text(texts.validation)
+    return ({prefix: train_sentencepiece_bpe(texts.train, 400, root / f"tok{prefix}", prefix_space=prefix) for prefix in (False, True)},
+            root / "eval.txt")
+
+
+def sp_folder(root: Path, tokenizers: dict, family: str, **config) -> tuple[Path, Any]:
+    tokenizer = tokenizers[family == "phi3"]
+    fields = dict(vocab_size=416, pad_token_id=0, **SENTENCEPIECE[family])
+    return pruned_folder(root, tokenizer, family, **{**fields, **config}), tokenizer
+
+
+def spm_oracle(text: str, tokens: list[str], scores: list[float], types: list[int], space_prefix: bool) -> list[int]:
+    """llama.cpp's SentencePiece tokenizer (``llm_tokenizer_spm``), written plainly: the text's
+    characters, then, while any adjacent pair joins into a vocabulary piece, join the pair whose
+    piece scores highest (the leftmost on a tie); a character left outside the vocabulary becomes
+    its UTF-8 bytes' ``<0xXX>`` pieces."""
+    ids = {t: i for i, t in enumerate(tokens) if types[i] in (gguf.TokenType.NORMAL, gguf.TokenType.BYTE,
+                                                             gguf.TokenType.USER_DEFINED, gguf.TokenType.UNKNOWN)}
+    symbols = list(((" " if space_prefix else "") + text).replace(" ", "\u2581"))
+    while True:
+        best = None
+        for i in range(len(symbols) - 1):
+            joined = symbols[i] + symbols[i + 1]
+            if joined in ids and (best is None or scores[ids[joined]] > scores[ids[best[1]]]):
+                best = (i, joined)
+        if best is None:
+            break
+        symbols[best[0]: best[0] + 2] = [best[1]]
+    out = []
+    for symbol in symbols:
+        out += [ids[symbol]] if symbol in ids else [ids[f"<0x{b:02X}>"] for b in symbol.encode()]
+    return out
+
+
+@pytest.mark.parametrize("gguf_type", ["f16", "q4_0"])
+@pytest.mark.parametrize("family", sorted(SENTENCEPIECE))
+def test_sentencepiece_family_round_trip(tmp_path, sp_corpus, one_thread, family, gguf_type):
+    tokenizers, eval_text = sp_corpus
+    folder, tokenizer = sp_folder(tmp_path, tokenizers, family)
+    path = tmp_path / "out" / f"{family}.gguf"
+    assert export(folder, path, gguf_type, eval_text) == 0
+    loaded = tf.AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    reference = rounded_source(folder, gguf_type)
+    assert type(loaded) is type(reference)
+    if family != "phi3":  # the file holds 1 + w, in float32, and the reader takes the 1 off
+        with torch.no_grad():
+            for name, param in reference.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.copy_((param + 1) - 1)
+    ids = tokenizer(eval_text.read_text()[:400], return_tensors="pt").input_ids[:, :48]
+    torch.testing.assert_close(logits(loaded, ids), logits(reference, ids), rtol=0, atol=1e-5)
+    source = tf.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    for name, param in source.named_parameters():
+        if ".layers." in name and param.dim() == 2:
+            assert (loaded.get_parameter(name)[param == 0] == 0).all(), name
+    reader = gguf.GGUFReader(path)
+    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    assert field("tokenizer.ggml.model") == "llama" and field("general.architecture") == {"gemma3_text": "gemma3"}.get(family, family)
+    tokens, scores, types = field("tokenizer.ggml.tokens"), field("tokenizer.ggml.scores"), field("tokenizer.ggml.token_type")
+    assert types[tokens.index("<0x41>")] == gguf.TokenType.BYTE and types[tokens.index("<bos>")] == gguf.TokenType.CONTROL
+    assert field("tokenizer.ggml.add_space_prefix") is (family == "phi3") and field("tokenizer.ggml.add_bos_token") is True
+    text = eval_text.read_text()[:300] + " naïve café ✓"  # characters outside the vocabulary: byte fallback
+    plain = tokenizer(text, add_special_tokens=False).input_ids
+    assert tf.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)(text).input_ids == tokenizer(text).input_ids
+    assert spm_oracle(text, tokens, scores, types, family == "phi3") == plain  # llama.cpp's rule on the file's scores
+    report = json.loads((path.parent / f"{family}.report.json").read_text())
+    assert report["tokenizer_model"] == "llama" and report["config_differences"] == {}
+    assert report["logits_max_abs_difference"] <= 1e-5 and report["pruned_zeros"]["fraction_kept"] == 1.0
+
+
+@pytest.mark.parametrize(("family", "config", "named"), [
+    ("gemma2", dict(final_logit_softcapping=20.0), "final_logit_softcapping 30.0 (the source: 20.0)"),
+    ("gemma3_text", dict(rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 5000.0},
+                                          "full_attention": {"rope_type": "default", "rope_theta": 1e6}}), "rope_parameters"),
+    ("gemma2", dict(head_dim=16, query_pre_attn_scalar=16, layer_types=["full_attention", "full_attention"]), "layer_types"),
+])
+def test_a_setting_the_file_cannot_hold_is_refused(tmp_path, sp_corpus, one_thread, capsys, family, config, named):
+    """Settings transformers' reader gives back otherwise (Gemma 2's final soft-capping, Gemma 3's
+    local rotary base, a layer pattern other than the family's) are named in one line, and
+    nothing is written."""
+    tokenizers, eval_text = sp_corpus
+    folder, _ = sp_folder(tmp_path, tokenizers, family, **config)
+    out = tmp_path / "out"
+    out.mkdir()
+    assert export(folder, out, "f16", eval_text) == 2
+    line = last_error(capsys)
+    assert named in line and "nothing was written" in line and list(out.iterdir()) == []
+
+
+def test_gemma_query_scale_llama_cpp_computes_otherwise_is_refused(tmp_path, sp_corpus, capsys):
+    tokenizers, eval_text = sp_corpus
+    folder, _ = sp_folder(tmp_path, tokenizers, "gemma2", head_dim=16)  # query_pre_attn_scalar stays 256
+    assert export(folder, tmp_path / "out.gguf", "f16", eval_text) == 2
+    assert "query_pre_attn_scalar 256, not its head width 16" in last_error(capsys)
+    assert not (tmp_path / "out.gguf").exists()

@@ -155,3 +155,36 @@ def write_gguf(model, tokenizer, path, add_bos: bool | None = None) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+
+
+def train_sentencepiece_bpe(texts: str, vocab_size: int, path, prefix_space: bool):
+    """A SentencePiece-style BPE tokenizer trained on ``texts`` and saved to ``path``, in the
+    ``tokenizer.json`` shape Gemma (``prefix_space`` false: spaces become ``▁``) and Llama 2 / Phi-3
+    (true: a ``▁`` put before the text too) ship: ids 0-3 ``<pad> <eos> <bos> <unk>``, then the 256
+    byte-fallback pieces ``<0x00>``..``<0xFF>``, then the learned pieces; BOS added to each text."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>"]
+    learner = Tokenizer(models.BPE())
+    learner.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    learner.train_from_iterator([texts], trainers.BpeTrainer(vocab_size=vocab_size - 260, show_progress=False))
+    learned = json.loads(learner.to_str())["model"]
+    vocab = {t: i for i, t in enumerate(specials + [f"<0x{b:02X}>" for b in range(256)])}
+    for token, _ in sorted(learned["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    space = normalizers.Replace(" ", "\u2581")
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), space]) if prefix_space else space
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + [decoders.Strip(" ", 1, 0)] if prefix_space else steps)
+    tok.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in specials])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                       special_tokens=[("<bos>", 2)])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", unk_token="<unk>",
+                                   pad_token="<pad>")
+    fast.save_pretrained(str(path))
+    return fast

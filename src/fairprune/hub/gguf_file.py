@@ -1,6 +1,7 @@
 """A causal LM (pruned or dense) as a GGUF file, the format llama.cpp and Ollama load.
 
-The file follows llama.cpp's ``convert_hf_to_gguf.py`` for the families in :data:`FAMILIES`:
+The file follows llama.cpp's ``convert_hf_to_gguf.py`` for the families in :data:`FAMILIES` (Gemma 2 / 3:
+every norm stored as ``1 + w``; Phi-3: fused ``qkv_proj`` / ``gate_up_proj`` as they are):
 
 - tensors renamed by the ``gguf`` package's own map (``blk.N.attn_q.weight``, ``token_embd.weight``,
   ...); the LM head is left out when it is tied to the embedding (llama.cpp reads a missing
@@ -8,11 +9,12 @@ The file follows llama.cpp's ``convert_hf_to_gguf.py`` for the families in :data
 - Llama-style models (llama, mistral) have their ``q_proj`` / ``k_proj`` rows permuted as
   ``LlamaModel.permute`` does (rotary pairs interleaved; transformers' reader undoes it), Qwen2 and
   Qwen3 not (Qwen3's query / key norms are plain tensors of the map);
-- metadata under llama.cpp's keys (context, widths, heads, rope base, norm epsilon, file type), and
-  the tokenizer: byte-level BPE vocabulary padded to the model's vocabulary with ``[PADn]`` tokens,
-  merges, token types (control for special added tokens, user-defined for the other added ones),
-  the pre-tokenizer's llama.cpp name, BOS / EOS / UNK / PAD ids, whether BOS / EOS are added, and
-  the chat template;
+- metadata under llama.cpp's keys (context, widths, heads, rope base, norm epsilon, file type;
+  Gemma's head width, soft-capping and sliding window), and the tokenizer (:func:`tokenizer_fields`):
+  byte-level BPE or SentencePiece BPE, the vocabulary padded to the model's vocabulary with
+  ``[PADn]`` tokens, merges, token types (control for special added tokens, user-defined for the
+  other added ones, byte for ``<0xXX>`` pieces), SentencePiece scores, the pre-tokenizer's llama.cpp
+  name, BOS / EOS / UNK / PAD ids, whether BOS / EOS are added, and the chat template;
 - 1-D tensors (norms, biases) in F32; every 2-D tensor in the chosen type (``f16``, ``q8_0``,
   ``q4_0``), rounded by ``gguf.quants`` (the reference implementation of ggml's rounding), except
   that ``q4_0`` keeps the embedding and the LM head in Q8_0 (llama.cpp's quantizer keeps them
@@ -58,6 +60,12 @@ class GGUFFamily:
     arch: str
     permute_qk: bool
     llama_keys: bool = False
+    #: Gemma's norms compute ``x * (1 + w)``; llama.cpp's file holds ``1 + w`` (convert_hf_to_gguf's
+    #: ``Gemma2Model`` / ``Gemma3Model`` add 1 to every ``*norm.weight``, transformers' reader takes it off).
+    norm_plus_one: bool = False
+    #: the head width always written (``attention.key_length`` / ``value_length``): Gemma's reader
+    #: otherwise takes its config's default of 256.
+    head_dim_keys: bool = False
 
 
 FAMILIES = {
@@ -66,6 +74,9 @@ FAMILIES = {
     "qwen2": GGUFFamily("qwen2", permute_qk=False),
     "qwen3": GGUFFamily("qwen3", permute_qk=False),
     "qwen3_moe": GGUFFamily("qwen3moe", permute_qk=False),
+    "gemma2": GGUFFamily("gemma2", permute_qk=False, norm_plus_one=True, head_dim_keys=True),
+    "gemma3_text": GGUFFamily("gemma3", permute_qk=False, norm_plus_one=True, head_dim_keys=True),
+    "phi3": GGUFFamily("phi3", permute_qk=False),
 }
 
 #: llama.cpp's name of a byte-level pre-tokenizer, by its shape in ``tokenizer.json``.
@@ -94,18 +105,46 @@ def check_gguf_type(gguf_type: str) -> None:
         raise UserError(f"--gguf_type {gguf_type!r} is not one of {', '.join(GGML_TYPES)}")
 
 
-def rope_theta(config: Any) -> float:
-    """The rotary base of ``config``; rope scaling (llama3, yarn, ...) is refused in one line,
-    since transformers' GGUF reader does not read it back."""
+def rope_bases(config: Any) -> dict[str, float]:
+    """The rotary bases of ``config`` by attention kind (``default``, or Gemma 3's ``full_attention``
+    and ``sliding_attention``); rope scaling (llama3, yarn, linear, ...) and a partial rotary width
+    are refused in one line, since transformers' GGUF reader reads the bases only."""
     params = getattr(config, "rope_parameters", None) or {}
-    kind = params.get("rope_type", "default")
-    if kind != "default":
-        raise UserError(f"--format gguf: rope scaling {kind!r} cannot be exported (transformers' GGUF reader "
-                        "reads the rope base only); export a model with plain rotary embeddings")
-    theta = params.get("rope_theta", getattr(config, "rope_theta", None))
-    if theta is None:
-        raise UserError("--format gguf: the model's config states no rope_theta")
-    return float(theta)
+    nested = {kind: value for kind, value in params.items() if isinstance(value, dict)}
+    bases = {}
+    for kind, one in (nested or {"default": params}).items():
+        scaling = one.get("rope_type", "default")
+        if scaling != "default":
+            raise UserError(f"--format gguf: rope scaling {scaling!r} cannot be exported (transformers' GGUF reader "
+                            "reads the rope base only); export a model with plain rotary embeddings")
+        if float(one.get("partial_rotary_factor", 1.0)) != 1.0:
+            raise UserError("--format gguf: a partial rotary width (partial_rotary_factor) cannot be exported; "
+                            "transformers' GGUF reader rotates the whole head")
+        theta = one.get("rope_theta", getattr(config, "rope_theta", None))
+        if theta is None:
+            raise UserError("--format gguf: the model's config states no rope_theta")
+        bases[kind] = float(theta)
+    return bases
+
+
+def rope_theta(config: Any) -> float:
+    """The rotary base llama.cpp's ``rope.freq_base`` holds: the full-attention layers' where the
+    model has two (:func:`rope_bases`)."""
+    bases = rope_bases(config)
+    return bases.get("full_attention", bases.get("default", next(iter(bases.values()))))
+
+
+def check_llama_cpp(config: Any, family: GGUFFamily) -> None:
+    """Settings llama.cpp computes otherwise than transformers for this family, refused in one line:
+    Gemma's query scale (llama.cpp divides by the square root of the head width, transformers by
+    that of ``query_pre_attn_scalar``). Settings transformers' reader would lose are refused after
+    the read-back (:func:`fairprune.workflows.export.config_differences`)."""
+    if family.norm_plus_one:
+        scalar = getattr(config, "query_pre_attn_scalar", None)
+        if scalar is not None and int(scalar) != head_dim(config):
+            raise UserError(f"--format gguf: this {config.model_type} model scales its queries by "
+                            f"query_pre_attn_scalar {scalar}, not its head width {head_dim(config)} as llama.cpp does; "
+                            "the file would compute another model")
 
 
 def head_dim(config: Any) -> int:
@@ -154,9 +193,17 @@ def _pre_tokenizer(spec: dict[str, Any]) -> str:
 
 
 def tokenizer_fields(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
-    """The tokenizer of a model with ``vocab_size`` embeddings as GGUF fields: ``tokens``,
-    ``token_types``, ``merges``, ``pre``, the special ids, ``add_bos`` / ``add_eos`` and
-    ``chat_template``. Only byte-level BPE tokenizers (``tokenizer.ggml.model`` ``gpt2``) are written."""
+    """The tokenizer of a model with ``vocab_size`` embeddings as GGUF fields: ``model``, ``tokens``,
+    ``token_types``, ``scores``, ``merges``, ``pre``, ``space_prefix``, the special ids,
+    ``add_bos`` / ``add_eos`` and ``chat_template``.
+
+    Two kinds are written, as convert_hf_to_gguf writes them: byte-level BPE (GPT-2, SmolLM, Llama 3,
+    Qwen; ``tokenizer.ggml.model`` ``gpt2``, with merges and the pre-tokenizer's name) and
+    SentencePiece BPE with byte fallback (Gemma, Phi-3, Llama 2; ``llama``, byte tokens typed
+    ``BYTE``). llama.cpp tokenizes the latter by scores, merging first the adjacent pair whose joined
+    piece scores highest; each piece's score is minus the rank of the merge that makes it, which
+    gives the merge order of ``tokenizer.json`` (a SentencePiece model's own scores are that order).
+    The merges are written too: transformers' reader builds its tokenizer from them."""
     import gguf
 
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -165,43 +212,70 @@ def tokenizer_fields(tokenizer: Any, vocab_size: int) -> dict[str, Any]:
                         "its tokenizer.json")
     spec = json.loads(backend.to_str())
     model = spec.get("model") or {}
-    if model.get("type") != "BPE" or (spec.get("decoder") or {}).get("type") != "ByteLevel":
-        raise UserError(f"--format gguf: the tokenizer is a {model.get('type')} tokenizer without a byte-level "
-                        "decoder; only byte-level BPE tokenizers (GPT-2, SmolLM, Llama 3, Qwen2 kinds) are exported")
-    pre = _pre_tokenizer(spec)
+    if model.get("type") == "BPE" and (spec.get("decoder") or {}).get("type") == "ByteLevel":
+        kind, pre, space_prefix = "gpt2", _pre_tokenizer(spec), None
+    elif model.get("type") == "BPE" and model.get("byte_fallback"):
+        kind, pre, space_prefix = "llama", None, _space_prefix(spec)
+    else:
+        raise UserError(f"--format gguf: the tokenizer is a {model.get('type')} tokenizer that is neither byte-level BPE "
+                        "nor SentencePiece BPE with byte fallback; only those two kinds are exported")
     vocab = {int(i): t for t, i in model["vocab"].items()}
     added = {int(i): token for i, token in tokenizer.added_tokens_decoder.items()}
     size = max([*vocab, *added], default=-1) + 1
     if size > vocab_size:
         raise UserError(f"--format gguf: the tokenizer has {size} tokens, more than the model's {vocab_size} embeddings")
-    tokens, types = [], []
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    made_by: dict[str, int] = {}
+    for rank, merge in enumerate(merges):
+        made_by.setdefault(merge.replace(" ", ""), rank)
+    unk = tokenizer.unk_token_id
+    tokens, types, scores = [], [], []
     for i in range(vocab_size):  # convert_hf_to_gguf's get_vocab_base: padding ids get [PADn], unused
         if i in added:
             tokens.append(added[i].content)
             types.append(gguf.TokenType.CONTROL if added[i].special else gguf.TokenType.USER_DEFINED)
         elif i in vocab:
             tokens.append(vocab[i])
-            types.append(gguf.TokenType.NORMAL)
+            byte = kind == "llama" and len(vocab[i]) == 6 and vocab[i].startswith("<0x") and vocab[i].endswith(">")
+            types.append(gguf.TokenType.BYTE if byte else
+                         gguf.TokenType.UNKNOWN if kind == "llama" and i == unk else gguf.TokenType.NORMAL)
         else:
             tokens.append(f"[PAD{i}]")
             types.append(gguf.TokenType.UNUSED)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+        scores.append(-float(made_by[tokens[-1]]) if tokens[-1] in made_by and i not in added else 0.0)
     with_special = tokenizer("a", add_special_tokens=True).input_ids
     without = tokenizer("a", add_special_tokens=False).input_ids
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     template = getattr(tokenizer, "chat_template", None)
-    return {"tokens": tokens, "token_types": types, "merges": merges, "pre": pre,
-            "bos": bos, "eos": eos, "unk": tokenizer.unk_token_id, "pad": tokenizer.pad_token_id,
+    return {"model": kind, "tokens": tokens, "token_types": types, "scores": scores, "merges": merges, "pre": pre,
+            "space_prefix": space_prefix, "bos": bos, "eos": eos, "unk": unk, "pad": tokenizer.pad_token_id,
             "add_bos": bos is not None and len(with_special) > len(without) and with_special[0] == bos,
             "add_eos": eos is not None and len(with_special) > len(without) and with_special[-1] == eos,
             "chat_template": template if isinstance(template, str) else None}
 
 
+def _space_prefix(spec: dict[str, Any]) -> bool:
+    """Whether a SentencePiece ``tokenizer.json`` puts ``▁`` before the text (a ``Prepend``
+    normalizer or a ``Metaspace`` pre-tokenizer that prepends): ``tokenizer.ggml.add_space_prefix``."""
+    def steps(part: Any, key: str) -> list[dict[str, Any]]:
+        part = part or {}
+        return part.get(key, []) if part.get("type") == "Sequence" else [part]
+
+    normalized = steps(spec.get("normalizer"), "normalizers")
+    pre = steps(spec.get("pre_tokenizer"), "pretokenizers")
+    return (any(n.get("type") == "Prepend" for n in normalized)
+            or any(p.get("type") == "Metaspace" and p.get("prepend_scheme", "always") != "never" for p in pre))
+
+
 def _add_tokenizer(writer: Any, fields: dict[str, Any]) -> None:
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(fields["pre"])
+    writer.add_tokenizer_model(fields["model"])
+    if fields["pre"] is not None:
+        writer.add_tokenizer_pre(fields["pre"])
     writer.add_token_list(fields["tokens"])
     writer.add_token_types(fields["token_types"])
+    if fields["model"] == "llama":
+        writer.add_token_scores(fields["scores"])
+        writer.add_add_space_prefix(bool(fields["space_prefix"]))
     writer.add_token_merges(fields["merges"])
     for key, add in (("bos", writer.add_bos_token_id), ("eos", writer.add_eos_token_id),
                      ("unk", writer.add_unk_token_id), ("pad", writer.add_pad_token_id)):
@@ -228,9 +302,20 @@ def _add_hyperparameters(writer: Any, model: nn.Module, family: GGUFFamily, gguf
     writer.add_head_count_kv(int(getattr(config, "num_key_value_heads", None) or config.num_attention_heads))
     writer.add_rope_freq_base(rope_theta(config))
     writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
-    if head_dim(config) != config.hidden_size // config.num_attention_heads:
+    if family.head_dim_keys or head_dim(config) != config.hidden_size // config.num_attention_heads:
         writer.add_key_length(head_dim(config))
         writer.add_value_length(head_dim(config))
+    bases = rope_bases(config)
+    if "sliding_attention" in bases:  # Gemma 3's local layers
+        writer.add_rope_freq_base_swa(bases["sliding_attention"])
+    if getattr(config, "sliding_window", None):
+        writer.add_sliding_window(int(config.sliding_window))
+    for key, add in (("attn_logit_softcapping", writer.add_attn_logit_softcapping),
+                     ("final_logit_softcapping", writer.add_final_logit_softcapping)):
+        if getattr(config, key, None) is not None:  # Gemma 2
+            add(float(getattr(config, key)))
+    if family.arch == "phi3":
+        writer.add_rope_dimension_count(head_dim(config))
     experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
     if experts:  # mixture of experts: as convert_hf_to_gguf writes them
         if getattr(config, "mlp_only_layers", None) or int(getattr(config, "decoder_sparse_step", 1) or 1) != 1:
@@ -359,6 +444,7 @@ def write_gguf(model: nn.Module, tokenizer: Any, path: str | os.PathLike, gguf_t
     family = family_for(model)
     config = model.config
     rope_theta(config)  # rope scaling refused before anything is written
+    check_llama_cpp(config, family)
     fields = tokenizer_fields(tokenizer, int(config.vocab_size))
     plans = []
     for gguf_name, hf_name, tensor in _tensors(model, family):
@@ -379,9 +465,14 @@ def write_gguf(model: nn.Module, tokenizer: Any, path: str | os.PathLike, gguf_t
             data = plan.tensor.detach().to("cpu", torch.float32).numpy()
             if plan.heads is not None:
                 data = permute(data, *plan.heads)
+            plus_one = family.norm_plus_one and plan.gguf_name.endswith("norm.weight")
+            if plus_one:
+                data = data + np.float32(1)
             stored = gguf.quants.quantize(data, plan.qtype)
             writer.write_tensor_data(stored)
             back = gguf.quants.dequantize(stored, plan.qtype).reshape(data.shape)
+            if plus_one:  # as transformers' reader takes it off
+                back = back - np.float32(1)
             if plan.heads is not None:
                 back = unpermute(back, *plan.heads)
             back = torch.from_numpy(np.ascontiguousarray(back, dtype=np.float32))
@@ -394,7 +485,7 @@ def write_gguf(model: nn.Module, tokenizer: Any, path: str | os.PathLike, gguf_t
     finally:
         writer.close()
     facts = {"architecture": family.arch, "gguf_type": gguf_type, "tensors": len(plans),
-             "tensor_types": dict(sorted(counts.items())), "tokenizer_pre": fields["pre"],
+             "tensor_types": dict(sorted(counts.items())), "tokenizer_model": fields["model"], "tokenizer_pre": fields["pre"],
              "vocab_size": len(fields["tokens"]), "chat_template": fields["chat_template"] is not None}
     return Written(facts, rounded)
 

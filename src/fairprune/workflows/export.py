@@ -153,7 +153,7 @@ def export(ckpt: str | None = None, model: str | None = None, format: str = "onn
 
     Args:
         ckpt: onnx: checkpoint written by train.py fit or prune.py vision (e.g. runs/demo/dense/checkpoints/last.ckpt).
-        model: gguf: causal LM (hub name, folder written by a prune command, smollm2-135m or a *.gguf file) of the llama, mistral or qwen2 family.
+        model: gguf: causal LM (hub name, folder written by a prune command, smollm2-135m or a *.gguf file) of the llama, mistral, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text or phi3 family.
         format: onnx (a vision checkpoint) or gguf (a causal LM).
         output: the file to write (default: model.onnx; gguf: <model>.<gguf_type>.gguf); gguf: a folder takes that name inside it. Written atomically; gguf writes <name>.report.json beside it.
         opset: onnx: ONNX opset (torch's current exporter writes 18 or later).
@@ -286,6 +286,12 @@ def _write_checked(source: Any, tokenizer: Any, tmp: Path, ids: Any, options: GG
 
     written = write_gguf(source, tokenizer, tmp, options.gguf_type, progress)
     loaded, loaded_tokenizer = load_gguf(tmp)
+    differences = config_differences(source.config, loaded.config)
+    computed = {key: pair for key, pair in differences.items() if key not in WINDOW_KEYS}
+    if computed:
+        named = "; ".join(f"{key} {back!r} (the source: {ours!r})" for key, (ours, back) in sorted(computed.items()))
+        raise UserError(f"transformers' GGUF reader would give this {source.config.model_type} model back with {named}: "
+                        "the file cannot hold these settings, so it would compute another model; nothing was written")
     reference = rounded_copy(source, written.rounded)
     written.rounded.clear()  # the reference holds them now
     window = ids[: options.eval_seqlen].unsqueeze(0)
@@ -303,13 +309,43 @@ def _write_checked(source: Any, tokenizer: Any, tmp: Path, ids: Any, options: GG
         raise UserError(f"{zeros['source'] - zeros['kept']} pruned zeros are not zero in the GGUF file read back; "
                         "nothing was written")
     sample = tokenizer.decode(ids[: 4 * options.eval_seqlen])
+    if loaded_tokenizer(sample).input_ids != tokenizer(sample).input_ids:
+        raise UserError("the tokenizer read back from the GGUF file encodes --eval_text otherwise than the source's "
+                        f"{type(tokenizer).__name__} does (its shape is not one this {source.config.model_type} file "
+                        "rebuilds); nothing was written")
     kw = dict(seqlen=options.eval_seqlen, progress=progress)
     return {"facts": written.facts, "logits_max_abs_difference": worst,
             "logits_max_abs_difference_to_unrounded": against_source, "pruned_zeros": zeros,
             "perplexity": {"source": perplexity(source, ids, **kw), "loaded": perplexity(loaded, ids, **kw),
                            "tokens": len(ids), "window": options.eval_seqlen},
-            "tokenizer_matches": loaded_tokenizer(sample).input_ids == tokenizer(sample).input_ids,
+            "tokenizer_matches": True, "config_differences": {key: list(pair) for key, pair in differences.items()},
             "loaded_class": type(loaded).__name__, "bytes": tmp.stat().st_size}
+
+
+#: Config fields that name or describe the files rather than the computation.
+NAMING_KEYS = {"_name_or_path", "_model_name_or_path", "architectures", "quantization_config", "dtype", "torch_dtype",
+               "transformers_version", "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "use_cache",
+               "output_attentions", "output_hidden_states", "return_dict", "tie_word_embeddings", "initializer_range"}
+#: Fields on which the file and the source may differ past the window only: a report note, not a refusal.
+WINDOW_KEYS = {"sliding_window"}
+
+
+def config_differences(ours: Any, back: Any) -> dict[str, tuple[Any, Any]]:
+    """The computation's config fields on which the model transformers' GGUF reader builds differs
+    from the source (floats within float32 rounding are equal), as ``{field: (source, read back)}``:
+    the fields both configs have (Mistral comes back as a Llama, whose class has no other fields),
+    and the sliding window."""
+    import math
+
+    a, b = ours.to_dict(), back.to_dict()
+    found = {}
+    for key in sorted(((set(a) & set(b)) | WINDOW_KEYS) - NAMING_KEYS - {"model_type"}):
+        x, y = a.get(key), b.get(key)
+        if isinstance(x, float) and isinstance(y, float) and math.isclose(x, y, rel_tol=1e-6):
+            continue
+        if x != y:
+            found[key] = (x, y)
+    return found
 
 
 def pruned_zeros(source: Any, loaded: Any) -> dict[str, Any]:
@@ -353,7 +389,8 @@ def gguf_report(model: str, path: Path, source: Any, found: dict[str, Any], opti
               "pruned_zeros": found["pruned_zeros"], "perplexity": found["perplexity"],
               "tokenizer_matches": found["tokenizer_matches"]}
     window = getattr(source.config, "sliding_window", None)
-    if window and window < source.config.max_position_embeddings:
-        report["note"] = (f"the source attends within a sliding window of {window} tokens; llama.cpp's llama architecture and "
-                          "the model read back attend to the whole context, so they differ past that length")
+    if window and window < source.config.max_position_embeddings and "sliding_window" in found["config_differences"]:
+        report["note"] = (f"the source attends within a sliding window of {window} tokens; the model transformers' reader "
+                          "builds from the file attends to the whole context, so they differ past that length")
+    report["config_differences"] = found["config_differences"]
     return report
