@@ -40,7 +40,7 @@ CONFIG = ROOT / "configs" / "compare" / "lm_smollm2.yaml"
 
 def per_pair_inputs(pairs):
     """The replaced layout: one batch per pair, at the pairs' common length, no attention mask."""
-    from fairprune.causal.forward import CalibInput
+    from fairprune.causal.pipeline import CalibInput
 
     ids0, ids1, mask = pairs
     return [CalibInput(torch.cat([ids0[i : i + 1], ids1[i : i + 1]]), True, mask[i : i + 1]) for i in range(len(ids0))]
@@ -92,7 +92,7 @@ def prune_per_pair(model, sparsity, calib, pairs) -> float:
 def prune_same_tokens(model, sparsity, calib, pairs, pair_batch: int) -> float:
     """SparseGPT calibrated on the tokens Debias-SparseGPT reads: the windows and both sides of
     every pair as plain sequences (batched and masked as the pairs are). The solver seconds."""
-    from fairprune.causal.forward import CalibInput
+    from fairprune.causal.pipeline import CalibInput
     from fairprune.pruning.calibration import make_inputs
     from fairprune.pruning.sparsegpt import Hessian
 
@@ -106,7 +106,7 @@ def block0_hessian_gap(model, calib, pairs, pair_batch: int) -> dict:
     """Largest |H_batched − H_per_pair| / max|H_per_pair| over block 0's layers (dense model)."""
     from fairprune.causal.blocks import Resident
     from fairprune.causal.families import family_of, linear_weight
-    from fairprune.causal.forward import capture_block_inputs
+    from fairprune.causal.pipeline import capture as capture_block_inputs
     from fairprune.pruning.calibration import _collect, make_inputs
     from fairprune.pruning.sparsegpt import PairedHessian
 

@@ -28,7 +28,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from fairprune.causal.blocks import Resident
 from fairprune.causal.families import family_of, linear_weight
-from fairprune.causal.forward import capture_block_inputs
+from fairprune.causal.pipeline import capture as capture_block_inputs
 from fairprune.models.deploy import time_side_by_side
 from fairprune.pruning.calibration import _collect, make_inputs
 from fairprune.pruning.sparsegpt import Hessian

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from fairprune.causal.blocks import Resident
 from fairprune.causal.families import family_of, linear_weight
-from fairprune.causal.forward import CalibInput, capture_block_inputs, run_block
+from fairprune.causal.pipeline import CalibInput, capture, through
 from fairprune.causal.streamed import StreamedModel
 from fairprune.cli.prune import main as prune_main
 from fairprune.hub.shards import ShardWriter
@@ -71,10 +71,10 @@ def test_discovery_finds_what_the_table_stated(model_type):
 
 
 def _blockwise_logits(blocks, ids, attention) -> torch.Tensor:
-    batches = capture_block_inputs(blocks, [CalibInput(ids, attention=attention)], "cpu")
+    batches = capture(blocks, [CalibInput(ids, attention=attention)], "cpu")
     for index, block in enumerate(blocks.blocks):
         with blocks.loaded(block):
-            batches = run_block(index, block, batches)
+            through(index, block, batches)
     hidden = batches[0].hidden
     tails = blocks.tail_modules()
     with blocks.loaded(*tails):
@@ -105,14 +105,17 @@ def test_sliding_and_global_layers_each_get_their_own_arguments(model_type):
     ids, _ = padded_batch()
     blocks = Resident(model)
     with torch.no_grad():
-        batch = capture_block_inputs(blocks, [CalibInput(ids)], "cpu")[0]
+        batch = capture(blocks, [CalibInput(ids)], "cpu")[0]
         first, second = batch.calls
         masks = first.kwargs["attention_mask"], second.kwargs["attention_mask"]
         assert masks[0] is not None and (masks[1] is None or not torch.equal(*masks))  # windowed, then global
-        after_first = run_block(0, blocks.blocks[0], [batch])[0]
-        right = run_block(1, blocks.blocks[1], [after_first])[0].hidden
-        after_first.calls = [first, first]
-        wrong = run_block(1, blocks.blocks[1], [after_first])[0].hidden
+        through(0, blocks.blocks[0], [batch])
+        after_first = batch.hidden
+        through(1, blocks.blocks[1], [batch])
+        right = batch.hidden
+        batch.hidden, batch.calls = after_first, [first, first]
+        through(1, blocks.blocks[1], [batch])
+        wrong = batch.hidden
     assert not torch.allclose(right, wrong)
 
 

@@ -17,8 +17,9 @@ from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 from fairprune.causal.blocks import Resident
 from fairprune.errors import UserError
 from fairprune.hub.quantized import group_scale, load_quantized, save_quantized, weight_args
-from fairprune.pruning.gptq import LayerQuantizer, gptq_quantize
-from fairprune.pruning.llm import magnitude_solve, prune_causal_lm
+from fairprune.pruning.gptq import gptq_quantize
+from fairprune.pruning.llm import magnitude_solve, prune_causal_lm, prune_with
+from fairprune.pruning.modifiers import from_flags
 from fairprune.pruning.sparsegpt import sparsegpt_solve
 from fairprune.pruning.sparsity import Sparsity
 from tiny_models import BUILDERS
@@ -88,8 +89,7 @@ def test_every_method_keeps_its_sparsity_and_the_folder_holds_the_gptq_weights(m
     plain.load_state_dict(model.state_dict())
     reached = prune_causal_lm(plain, method, Sparsity.parse("0.5"), ids, progress=False)["achieved_sparsity"]
     blocks = Resident(model)
-    blocks.quantizer = LayerQuantizer("w4a16-gptq", 64)
-    result = prune_causal_lm(blocks, method, Sparsity.parse("0.5"), ids, progress=False)
+    result = prune_with(blocks, from_flags(method, Sparsity.parse("0.5"), "w4a16-gptq", 64), ids, progress=False)
     if method != "sparsegpt":  # a mask from the weights alone: the very same mask, then quantized
         assert result["achieved_sparsity"] >= reached
     assert result["achieved_sparsity"] >= 0.5 and len(blocks.quantizer.scales) == 14
@@ -105,6 +105,5 @@ def test_every_method_keeps_its_sparsity_and_the_folder_holds_the_gptq_weights(m
 
 def test_magnitude_without_calibration_data_is_refused_for_gptq():
     blocks = Resident(BUILDERS["llama"]().eval())
-    blocks.quantizer = LayerQuantizer("w4a16-gptq", 64)
     with pytest.raises(UserError, match="needs calibration data"):
-        prune_causal_lm(blocks, "magnitude", Sparsity.parse("0.5"), progress=False)
+        prune_with(blocks, from_flags("magnitude", Sparsity.parse("0.5"), "w4a16-gptq", 64), progress=False)

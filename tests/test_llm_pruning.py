@@ -345,8 +345,15 @@ def test_layers_reading_one_input_share_one_statistic(model_type):
     value is what each layer's own statistic holds when nothing is shared, for the Hessian, the
     paired Hessian (plain and paired batches) and Wanda's norms."""
     from fairprune.causal.blocks import Resident
-    from fairprune.causal.forward import capture_block_inputs
-    from fairprune.pruning.calibration import _collect
+    from fairprune.causal.pipeline import call_block
+    from fairprune.causal.pipeline import capture as capture_block_inputs
+    from fairprune.pruning.calibration import _collecting
+
+    def _collect(index, block, layers, stats, batches, share=True):  # the batches through the block, hooks on
+        with _collecting(layers, stats, share=share) as before:
+            for b in batches:
+                before(b)
+                call_block(index, block, b)
 
     model = build(model_type)
     family = family_of(model)

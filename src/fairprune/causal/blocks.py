@@ -38,10 +38,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
+from fairprune.causal import pipeline
 from fairprune.causal.families import family_of
-from fairprune.causal.forward import CalibInput, capture_block_inputs, run_block
+from fairprune.causal.pipeline import CalibInput, capture
 
 
 def device_of(module: nn.Module) -> torch.device:
@@ -60,18 +60,20 @@ class SaveOptions:
     Args:
         save_format: dense, or compressed (the sparse layouts; a model in memory only).
         nm: the N:M pattern pruned to, for the 2:4 layout.
-        quantize: none, w4a16, w8a16 or their -gptq forms.
-        quant_group_size: the quantization group size asked for.
         trust_remote_code: passed to transformers when the saved folder is loaded back.
         progress: progress bars while writing and loading back.
+        method: the run's method, for messages.
+        output: the run's folder, for messages and as the saved model's source.
+
+    Whether the folder is quantized is the block model's own state (:meth:`BlockModel.quantize_with`).
     """
 
     save_format: str = "dense"
     nm: tuple[int, int] | None = None
-    quantize: str = "none"
-    quant_group_size: int = 128
     trust_remote_code: bool = False
     progress: bool = True
+    method: str = ""
+    output: str = ""
 
 
 class BlockModel(abc.ABC):
@@ -80,9 +82,6 @@ class BlockModel(abc.ABC):
     each kind's own."""
 
     streamed = False
-    #: ``--quantize``'s plan (:class:`fairprune.pruning.gptq.LayerQuantizer`), set by the run that
-    #: writes the model quantized: GPTQ solves each layer after its prune, the writer stores its scales.
-    quantizer = None
     dtype: torch.dtype
 
     def __init__(self, model: nn.Module, source: str, load=None):
@@ -90,6 +89,54 @@ class BlockModel(abc.ABC):
         self._prefix = {id(m): name for name, m in model.named_modules()}
         self.family = family_of(model, load)  # ``load``: how discovery makes parts resident (streamed)
         self.blocks = list(self.family.block_list(model))
+        self._quantizer = None  # the quantization plan the model is written with (None: not quantized)
+        self._digest: str | None = None  # the weights' digest once computed, until they change
+        self._writer = None  # where its changed blocks are written as they are changed (streamed)
+
+    # -- its state ----------------------------------------------------------------------------------
+    def quantize_with(self, plan) -> None:
+        """Write the model quantized by ``plan`` (:class:`fairprune.pruning.gptq.LayerQuantizer`:
+        the scheme and group size; GPTQ's scales as the pass solves them)."""
+        self._quantizer = plan
+
+    @property
+    def quantizer(self):
+        """The quantization plan the model is written with (None: it is written in floats)."""
+        return self._quantizer
+
+    def changed(self) -> None:
+        """Its weights changed: a digest taken before no longer holds."""
+        self._digest = None
+
+    def digest(self) -> str:
+        """SHA-256 of the model's class, config and every state-dict tensor (name, dtype, shape,
+        bytes), read one at a time (a streamed model's from its files, in the run's dtype: the bytes
+        ``from_pretrained`` would load, so the same digest); kept until :meth:`changed`."""
+        if self._digest is None:
+            import hashlib
+            import json
+
+            digest = hashlib.sha256(type(self.model).__name__.encode())
+            settings = {k: v for k, v in self.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+            digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
+            state = self.model.state_dict(keep_vars=True)
+            for name in sorted(state):
+                digest.update(f"{name}|{state[name].dtype}|{tuple(state[name].shape)}".encode())
+                flat = self.read_output(name).detach().to("cpu").contiguous().reshape(-1)
+                digest.update(memoryview(flat.view(torch.uint8).numpy()))
+            self._digest = digest.hexdigest()
+        return self._digest
+
+    @property
+    def holds_changes(self) -> bool:
+        """Whether a change made by a pass stays in this object (a model in memory, changed in
+        place) rather than going to the files its writer writes (streamed)."""
+        return not self.streamed
+
+    @property
+    def how(self) -> str:
+        """``streamed`` or ``in memory``: how the run holds the model, for messages and reports."""
+        return "streamed" if self.streamed else "in memory"
 
     # -- the parts --------------------------------------------------------------------------------
     def prefix(self, module: nn.Module) -> str:
@@ -131,12 +178,17 @@ class BlockModel(abc.ABC):
 
     @abc.abstractmethod
     def writer(self, out):
-        """Where solved blocks are written as they are solved (None: the model is saved whole)."""
+        """Where changed blocks are written as they are changed (None: the model is saved whole),
+        remembered for :meth:`save`."""
 
     @abc.abstractmethod
-    def save(self, out, output, tokenizer, writer, method: str, options: SaveOptions) -> tuple[BlockModel, dict | None]:
-        """The pruned model into ``out`` (None: this rank does not write; ``output``: the run's
-        folder, for messages): the model the run measures, and the ``weights`` facts written."""
+    def save(self, out, tokenizer, options: SaveOptions) -> tuple[BlockModel, dict | None]:
+        """The changed model into ``out`` (None: this rank does not write): the model the run
+        measures, and the ``weights`` facts written."""
+
+    @abc.abstractmethod
+    def run_on(self, device) -> None:
+        """Run the blocks on ``device`` from now on (a model in memory moves there)."""
 
     @abc.abstractmethod
     def runnable(self, device) -> contextlib.AbstractContextManager:
@@ -155,13 +207,6 @@ class BlockModel(abc.ABC):
         """The sizes a report's ``memory`` records."""
 
     # -- running ----------------------------------------------------------------------------------
-    def each_block(self, device, progress: bool = False, desc: str = "blocks") -> Iterator[tuple[int, nn.Module]]:
-        """``(index, block)`` of every block in order, each loaded on ``device`` while the caller
-        works on it: a pass over the model with one block resident (a streamed model's read once)."""
-        for index, block in enumerate(tqdm(self.blocks, desc=desc, unit="block", leave=False, disable=not progress)):
-            with self.loaded(block, device=device):
-                yield index, block
-
     def tail(self, hidden: list[torch.Tensor], device) -> list[torch.Tensor]:
         """Hidden states after the last block through the tail (the final norm; OPT's
         ``project_out``): the head's input. The tail is loaded once for all of them."""
@@ -180,9 +225,7 @@ class BlockModel(abc.ABC):
         """The hidden states after the last block and the final norm (the head's input) of each
         call (``input_ids`` and optionally ``attention_mask``), every block loaded once for all of them."""
         inputs = [CalibInput(call["input_ids"], attention=call.get("attention_mask")) for call in calls]
-        batches = capture_block_inputs(self, inputs, device)
-        for index, block in self.each_block(device, progress, desc):
-            batches = run_block(index, block, batches)
+        batches = pipeline.run(self, batches=capture(self, inputs, device), device=device, progress=progress, desc=desc)
         return self.tail([b.hidden for b in batches], device)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -201,8 +244,8 @@ class BlockModel(abc.ABC):
 
     def run_device(self) -> torch.device:
         """Where the blocks run when the caller names no device: a model in memory where it is, a
-        streamed one on :attr:`device` (CPU unless set)."""
-        return torch.device(getattr(self, "device", None) or device_of(self.model))
+        streamed one where :meth:`run_on` said (CPU unless said)."""
+        return device_of(self.model)
 
 
 class Resident(BlockModel):
@@ -246,22 +289,26 @@ class Resident(BlockModel):
         return saved_bytes(self.model, tokenizer)
 
     def writer(self, out) -> None:
-        """None: a model in memory is saved whole once pruned (:meth:`save`)."""
+        """None: a model in memory is saved whole once changed (:meth:`save`)."""
         return None
 
-    def save(self, out, output, tokenizer, writer, method: str, options: SaveOptions) -> tuple[Resident, dict | None]:
-        """The pruned model into ``out`` (None on ranks that do not write; ``output``: the run's
-        folder, for messages), refused when not finite on every rank: the model the run measures
-        and the ``weights`` facts of the files written. That model is this one (pruned in place),
-        or with ``quantize`` (w4a16, w8a16, their -gptq forms: :mod:`fairprune.hub.quantized`) the one plain
+    def run_on(self, device) -> None:
+        self.model.to(device)
+
+    def save(self, out, tokenizer, options: SaveOptions) -> tuple[Resident, dict | None]:
+        """The changed model into ``out`` (None on ranks that do not write), refused when not
+        finite on every rank: the model the run measures and the ``weights`` facts of the files
+        written. That model is this one (changed in place), or when quantized (:meth:`quantize_with`:
+        w4a16, w8a16, their -gptq forms, :mod:`fairprune.hub.quantized`) the one plain
         ``from_pretrained`` loads back from ``out``, in this model's dtype, so the figures are
         those of the folder as it ships (under ``torchrun`` every rank loads the folder rank 0
         wrote: its staging folder must be readable by every rank, as a streamed run's is)."""
         from fairprune.hub.checks import check_result
         from fairprune.hub.compressed import save_weights
 
-        check_result(self.model, output, method)
-        if options.quantize == "none":
+        check_result(self.model, options.output, options.method)
+        plan = self._quantizer
+        if plan is None:
             if out is None:
                 return self, None
             weights = save_weights(self.model, out, options.save_format, options.nm, self.layers())
@@ -272,9 +319,8 @@ class Resident(BlockModel):
 
         weights = None
         if out is not None:
-            scales = self.quantizer.scales if self.quantizer is not None else None
-            weights = save_quantized(self.model, out, options.quantize, options.quant_group_size, layers=self.layers(),
-                                     progress=options.progress, scales=scales)
+            weights = save_quantized(self.model, out, plan.quantize, plan.asked, layers=self.layers(),
+                                     progress=options.progress, scales=plan.scales)
             tokenizer.save_pretrained(out)
         folder = broadcast_text(None if out is None else str(out))  # torchrun: every rank loads rank 0's files
         loaded = load_quantized(folder, self.dtype, options.trust_remote_code, progress=options.progress and out is not None)
@@ -299,14 +345,22 @@ def as_blocks(model) -> BlockModel:
     return model if isinstance(model, BlockModel) else Resident(model)
 
 
+class _Zeros(pipeline.Step):
+    """Counts the exact zeros of what the methods prune in each block (its linear layers but the
+    routers, and each expert of a fused expert parameter)."""
+
+    def __init__(self, family):
+        self.family, self.zeros, self.total = family, 0, 0
+
+    def change(self, index: int, block: nn.Module) -> None:
+        for unit in self.family.block_units(block).values():
+            self.zeros += int((unit.weight == 0).sum())
+            self.total += unit.weight.numel()
+
+
 @torch.no_grad()
 def zero_fraction(blocks) -> float:
-    """The share of exact zeros in what the methods prune in every block (its linear layers but the
-    routers, and each expert of a fused expert parameter), one block loaded at a time."""
-    zeros = total = 0
-    for block in blocks.blocks:
-        with blocks.loaded(block):
-            for unit in blocks.family.block_units(block).values():
-                zeros += int((unit.weight == 0).sum())
-                total += unit.weight.numel()
-    return zeros / total if total else 0.0
+    """The share of exact zeros in what the methods prune in every block, one block loaded at a time."""
+    zeros = _Zeros(blocks.family)
+    pipeline.run(blocks, [zeros], device="cpu")
+    return zeros.zeros / zeros.total if zeros.total else 0.0

@@ -37,6 +37,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fairprune.causal import pipeline
 from fairprune.causal.blocks import BlockModel, SaveOptions
 from fairprune.errors import UserError
 from fairprune.hub.checks import nonfinite
@@ -68,7 +69,7 @@ class StreamedModel(BlockModel):
         source = source or str(folder)  # the name the user gave, for messages
         self.reader = open_reader(self.folder)  # a pack-quantized folder: its layers read decompressed
         self.dtype = dtype or torch.float32
-        self.trust_remote_code, self.device = trust_remote_code, device
+        self.trust_remote_code, self._device = trust_remote_code, device
         try:
             config = AutoConfig.from_pretrained(self.folder, trust_remote_code=trust_remote_code)
             if isinstance(self.reader, QuantizedReader) and hasattr(config, "quantization_config"):
@@ -237,22 +238,33 @@ class StreamedModel(BlockModel):
         return True
 
     def writer(self, out: Path | None):
-        """A writer of the pruned model into ``out`` (None: this rank does not write): the tensors
-        ``save_pretrained`` writes, in its order; with a ``quantizer`` (``--quantize``), a
+        """A writer of the changed model into ``out`` (None: this rank does not write), kept for
+        :meth:`save`: the tensors ``save_pretrained`` writes, in its order; quantized
+        (:meth:`~fairprune.causal.blocks.BlockModel.quantize_with`), a
         :class:`~fairprune.hub.quantized_stream.QuantizedWriter` that quantizes each block's layers as they
         are written."""
         from fairprune.hub.shards import ShardWriter
 
+        self._writer = None
         if out is None:
             return None
-        if self.quantizer is not None:
+        plan = self._quantizer
+        if plan is not None:
             from fairprune.hub.quantized import linear_layers, save_dtype
             from fairprune.hub.quantized_stream import QuantizedWriter
 
-            groups = dict.fromkeys(linear_layers(self.layers()), self.quantizer.group)
-            return QuantizedWriter(out, self.output_tensors(), self.quantizer.quantize, groups, self.quantizer.scales,
-                                   save_dtype(self.dtype), total_parameters=self.num_parameters())
-        return ShardWriter(out, self.output_tensors(), total_parameters=self.num_parameters())
+            groups = dict.fromkeys(linear_layers(self.layers()), plan.group)
+            self._writer = QuantizedWriter(out, self.output_tensors(), plan.quantize, groups, plan.scales,
+                                           save_dtype(self.dtype), total_parameters=self.num_parameters())
+        else:
+            self._writer = ShardWriter(out, self.output_tensors(), total_parameters=self.num_parameters())
+        return self._writer
+
+    def run_on(self, device) -> None:
+        self._device = device
+
+    def run_device(self) -> torch.device:
+        return torch.device(self._device)
 
     def weight_bytes(self) -> int:
         """Bytes of the weights ``save_pretrained`` writes in the run's dtype."""
@@ -262,29 +274,30 @@ class StreamedModel(BlockModel):
         """About what the pruned model's folder takes on disk (weights and tokenizer files)."""
         return self.weight_bytes() + 128 * len(tokenizer) + 64 * 1024
 
-    def save(self, out: Path | None, output, tokenizer, writer, method: str,
-             options: SaveOptions) -> tuple[StreamedModel, dict | None]:
-        """Finish the pruned model in ``out`` (its blocks were written as they were solved): the
-        writer closed, config and tokenizer beside it (a quantized folder's ``quantization_config``
-        too); then the pruned model as written, read from rank 0's files on every rank (a quantized
-        one's layers decompressed as read), and the ``weights`` facts of the files."""
+    def save(self, out: Path | None, tokenizer, options: SaveOptions) -> tuple[StreamedModel, dict | None]:
+        """Finish the changed model in ``out`` (its blocks were written as they were changed, by
+        the writer :meth:`writer` opened): the writer closed, config and tokenizer beside it (a
+        quantized folder's ``quantization_config`` too); then the model as written, read from rank
+        0's files on every rank (a quantized one's layers decompressed as read), and the ``weights``
+        facts of the files."""
         from fairprune.distributed import broadcast_text
         from fairprune.hub.compressed import dtype_name, weight_file_bytes
 
         weights = None
         if out is not None:
+            writer, self._writer = self._writer, None
             writer.close()
-            quantized = self.quantizer is not None
-            self.write_model_files(out, writer.dtype if quantized else self.dtype)
+            plan = self._quantizer
+            self.write_model_files(out, writer.dtype if plan is not None else self.dtype)
             tokenizer.save_pretrained(out)
-            if quantized:
-                weights = writer.finish(out, options.quant_group_size)
+            if plan is not None:
+                weights = writer.finish(out, plan.asked)
             else:
                 dense, written = self.weight_bytes(), weight_file_bytes(out)
                 weights = {"save_format": "dense", "dtype": dtype_name(self.dtype), "format": "dense",
                            "dense_bytes": dense, "file_bytes": written, "ratio": written / dense if dense else None}
         folder = Path(broadcast_text(None if out is None else str(out)))
-        return StreamedModel(folder, self.dtype, options.trust_remote_code, source=str(output)), weights
+        return StreamedModel(folder, self.dtype, options.trust_remote_code, source=options.output), weights
 
     def rewritten(self, out: Path | None, change: Callable[[int, nn.Module], None], config, progress: bool = False,
                   source: str | None = None) -> StreamedModel:
@@ -307,12 +320,16 @@ class StreamedModel(BlockModel):
                 planned.update(self._state(block, changed))
                 parameters += sum(p.numel() for p in changed.parameters()) - sum(p.numel() for p in block.parameters())
             writer = ShardWriter(out, planned, total_parameters=parameters)
-            try:
-                for index, block in self.each_block("cpu", progress, desc="writing"):
+            model = self
+
+            class Rewrite(pipeline.Step):  # each block read, copied, changed and written
+                def emit(self, index: int, block: nn.Module) -> None:
                     changed = copy.deepcopy(block)
                     change(index, changed)
-                    writer.write_many(self._state(block, changed).items())
-                    del changed
+                    writer.write_many(model._state(block, changed).items())
+
+            try:
+                pipeline.run(self, [Rewrite()], device="cpu", progress=progress, desc="writing")
                 for name in writer.missing():  # the front, the final norm, the head: as they are
                     writer.write(name, self.read_output(name))
                 writer.close()
@@ -320,7 +337,7 @@ class StreamedModel(BlockModel):
                 writer.abort()
             self.write_model_files(Path(out), config=config)
         folder = Path(broadcast_text(None if out is None else str(out)))
-        return StreamedModel(folder, self.dtype, self.trust_remote_code, source=source or str(folder), device=self.device)
+        return StreamedModel(folder, self.dtype, self.trust_remote_code, source=source or str(folder), device=self._device)
 
     def _state(self, block: nn.Module, changed: nn.Module) -> dict[str, torch.Tensor]:
         """The state-dict entries of ``changed`` (a copy of ``block``) under ``block``'s full names."""

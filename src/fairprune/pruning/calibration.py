@@ -30,17 +30,18 @@ product and one exact-sum term for the whole batch (``sparsegpt.PairedHessian``)
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
 from fairprune import distributed
+from fairprune.causal import pipeline
 from fairprune.causal.blocks import as_blocks
 from fairprune.causal.experts import ExpertInputs, ExpertSlice, num_experts
-from fairprune.causal.forward import BlockInput, CalibInput, call_block, capture_block_inputs, run_block
+from fairprune.causal.pipeline import Batch, CalibInput, capture
+from fairprune.pruning.modifiers import Modifier, fed, statistics_for
 
 #: Aligned pairs per calibration batch: one forward of 2·32 sentences, one statistics term.
 PAIR_BATCH = 32
@@ -103,52 +104,111 @@ def rank_inputs(
             *distributed.shard(make_inputs(None, pairs, batch_size, pair_batch_size))]
 
 
+class Statistics:
+    """The statistics the modifiers collect for one unit (:func:`fairprune.pruning.modifiers.statistics_for`,
+    one entry per modifier), fed together: each distinct statistic once per batch."""
+
+    def __init__(self, stats: list[Any]):
+        self.stats, self._fed = stats, fed(stats)
+
+    def add_batch(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        for stat in self._fed:
+            stat.add_batch(x, mask)
+
+    def add_pair(self, x0: torch.Tensor, x1: torch.Tensor, mask: torch.Tensor | None = None) -> None:
+        for stat in self._fed:
+            stat.add_pair(x0, x1, mask)
+
+
+class Modifying(pipeline.Step):
+    """The modifiers' part in the block pass (:func:`modify`): at each block, the statistics every
+    modifier asks for each unit (calibrate: the block's batches run once for all of them, experts
+    recorded from their own inputs), then each modifier's change of each unit in order (change),
+    then ``after(index, block, units)`` once the block's batches have run through it (emit)."""
+
+    def __init__(self, blocks, modifiers: list[Modifier], device, calibrated: bool, moe_calibrate: str = "all",
+                 after: Callable[[int, nn.Module, dict[str, nn.Module]], None] | None = None):
+        self.blocks, self.modifiers, self.device = blocks, modifiers, device
+        self.collects, self.moe_calibrate, self.after = calibrated, moe_calibrate, after
+        self.tokens: dict[str, dict[str, list[int]]] = {"routed": {}, "calibrated": {}}
+        self.stats: dict[str, Statistics | None] = {}
+
+    def units(self, index: int, block: nn.Module) -> dict[str, nn.Module]:
+        return {f"{index}.{name}": unit for name, unit in self.blocks.family.block_units(block).items()}
+
+    @contextlib.contextmanager
+    def calibrate(self, index: int, block: nn.Module) -> Iterator[Callable[[Batch], None]]:
+        units = self.units(index, block)
+        self.stats = {name: Statistics(statistics_for(self.modifiers, name, unit, self.device))
+                      for name, unit in units.items()}
+        experts = _Experts(index, block, self.stats, self.moe_calibrate)
+        with _collecting(units, self.stats, experts if experts.recorder.fused else None) as before:
+            yield before
+        experts.finish(self.tokens)
+
+    def change(self, index: int, block: nn.Module) -> None:
+        for name, unit in self.units(index, block).items():
+            group = self.stats.pop(name, None)
+            for position, modifier in enumerate(self.modifiers):
+                modifier.apply(name, unit, None if group is None else group.stats[position])
+            group = None
+        self.stats = {}
+
+    def emit(self, index: int, block: nn.Module) -> None:
+        if self.after is not None:
+            self.after(index, block, self.units(index, block))
+
+
 @torch.no_grad()
-def run_layerwise(
-    model,
-    inputs: list[CalibInput] | None,
-    device,
-    make_stat: Callable[[str, nn.Module], Any] | None,
-    prune: Callable[[str, nn.Module, Any], None],
-    progress: bool = True,
-    desc: str = "pruning",
-    after: Callable[[int, nn.Module, dict[str, nn.Module]], None] | None = None,
-    moe_calibrate: str = "all",
-) -> dict[str, Any]:
-    """Calibrate and prune block after block, each block loaded for its turn; layer names are
-    ``"<block>.<path>"``. ``model``: an ``nn.Module`` or a block model (resident or streamed, see
-    :mod:`fairprune.causal.blocks`). ``inputs`` None (with ``make_stat`` None): a method that
-    prunes from the weights alone, no calibration pass. ``after(index, block, layers)`` runs
-    once a block is solved, while it is still loaded (a streamed run writes it then).
+def modify(model, inputs: list[CalibInput] | None, device, modifiers: list[Modifier], progress: bool = True,
+           desc: str = "pruning", after: Callable[[int, nn.Module, dict[str, nn.Module]], None] | None = None,
+           moe_calibrate: str = "all") -> dict[str, Any]:
+    """Apply ``modifiers`` block after block (one :func:`fairprune.causal.pipeline.run`), each
+    block loaded for its turn; unit names are ``"<block>.<path>"``. ``model``: an ``nn.Module`` or a
+    block model (resident or streamed, see :mod:`fairprune.causal.blocks`). ``inputs`` None: no
+    calibration pass (every modifier works from the weights alone). ``after(index, block, units)``
+    runs once a block is changed, while it is still loaded (a streamed run writes it then).
 
     A block's units are :meth:`~fairprune.causal.families.Family.block_units`: its linear layers
     (routers left out) and each expert of its fused expert parameters, calibrated from that
     expert's own inputs (:class:`~fairprune.causal.experts.ExpertInputs`, ``moe_calibrate`` all or
-    routed). An expert that no calibration token reached gets ``None`` for its statistic (the
-    caller prunes it from its weights alone). Returns the tokens each expert was routed and
-    calibrated on: ``{"routed": {"<block>.<experts>": [...]}, "calibrated": {"<block>.<param>":
+    routed). An expert that no calibration token reached gets ``None`` for its statistics (a
+    pruning modifier prunes it from its weights alone). Returns the tokens each expert was routed
+    and calibrated on: ``{"routed": {"<block>.<experts>": [...]}, "calibrated": {"<block>.<param>":
     [...]}}`` (empty for a dense model)."""
     blocks = as_blocks(model)
-    tokens: dict[str, dict[str, list[int]]] = {"routed": {}, "calibrated": {}}
+    for modifier in modifiers:
+        modifier.begin(blocks)
     was_training = blocks.model.training
     blocks.model.eval()
-    batches = capture_block_inputs(blocks, inputs, device) if inputs is not None else None
-    for index, block in enumerate(tqdm(blocks.blocks, desc=desc, disable=not progress, unit="block")):
-        with blocks.loaded(block, device=device):
-            layers = {f"{index}.{name}": layer for name, layer in blocks.family.block_units(block).items()}
-            stats = {name: make_stat(name, layer) for name, layer in layers.items()} if batches is not None else {}
-            if batches is not None:
-                experts = _Experts(index, block, stats, moe_calibrate)
-                _collect(index, block, layers, stats, batches, experts=experts if experts.recorder.fused else None)
-                experts.finish(tokens)
-            for name, layer in layers.items():
-                prune(name, layer, stats.pop(name, None))
-            if batches is not None and index + 1 < len(blocks.blocks):
-                batches = run_block(index, block, batches)
-            if after is not None:
-                after(index, block, layers)
+    step = Modifying(blocks, modifiers, device, inputs is not None, moe_calibrate, after)
+    batches = capture(blocks, inputs, device) if inputs is not None else None
+    pipeline.run(blocks, [step], batches, device=device, flow_last=False, progress=progress, desc=desc)
+    blocks.changed()
     blocks.model.train(was_training)
-    return tokens
+    return step.tokens
+
+
+class _Functions(Modifier):
+    """A modifier from two functions: ``make_stat(name, unit)`` and ``prune(name, unit, stat)``."""
+
+    def __init__(self, make_stat, prune):
+        self.make_stat, self.prune = make_stat, prune
+
+    def statistic(self, name, unit, held, device):
+        return None if self.make_stat is None else self.make_stat(name, unit)
+
+    def apply(self, name, unit, stat):
+        self.prune(name, unit, stat)
+
+
+def run_layerwise(model, inputs: list[CalibInput] | None, device, make_stat: Callable[[str, nn.Module], Any] | None,
+                  prune: Callable[[str, nn.Module, Any], None], progress: bool = True, desc: str = "pruning",
+                  after: Callable[[int, nn.Module, dict[str, nn.Module]], None] | None = None,
+                  moe_calibrate: str = "all") -> dict[str, Any]:
+    """:func:`modify` with one modifier made of two functions: ``make_stat(name, unit)`` (the
+    statistic a unit collects; None with ``inputs`` None) and ``prune(name, unit, stat)``."""
+    return modify(model, inputs, device, [_Functions(make_stat, prune)], progress, desc, after, moe_calibrate)
 
 
 class _Experts:
@@ -210,12 +270,14 @@ class _Experts:
                                                          if n.startswith(f"{index}.{f.path}.")]
 
 
-def _collect(index: int, block: nn.Module, layers: dict, stats: dict, batches: list[BlockInput], share: bool = True,
-             experts: _Experts | None = None) -> None:
-    """Run every batch through ``block`` with hooks feeding each layer's input to its statistic.
+@contextlib.contextmanager
+def _collecting(layers: dict, stats: dict, experts: _Experts | None = None, share: bool = True
+                ) -> Iterator[Callable[[Batch], None]]:
+    """Hooks feeding each layer's input to its statistics while the pass runs the block's batches;
+    yields the function the pass calls with each batch before it runs.
 
     Layers that read the very same input tensor (a Llama block's q, k and v projections; its gate
-    and up projections) share one statistic: theirs would be the same sum of the same terms, so
+    and up projections) share their statistics: theirs would be the same sum of the same terms, so
     each gets exactly what its own would hold, accumulated and held once (for a 7B Llama block,
     four float64 Hessians of 134 MB fewer). ``stats`` is updated in place so that such layers map
     to one object. Which layers share is seen on the first batch, checked on every later one, and
@@ -248,14 +310,15 @@ def _collect(index: int, block: nn.Module, layers: dict, stats: dict, batches: l
 
         return hook
 
+    def before(b: Batch) -> None:
+        current[:] = [b.source]
+        fed.clear()
+
     handles = [layer.register_forward_hook(hook_for(i, name)) for i, (name, layer) in enumerate(layers.items())
                if not isinstance(layer, ExpertSlice)]  # experts: recorded by ``experts``
     try:
         with experts.recording(current) if experts is not None else contextlib.nullcontext():
-            for b in batches:
-                current[:] = [b.source]
-                fed.clear()
-                call_block(index, block, b)
+            yield before
     finally:
         fed.clear()
         for handle in handles:

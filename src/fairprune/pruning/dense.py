@@ -74,28 +74,10 @@ class DenseFigures:
 
 
 def weights_digest(model) -> str:
-    """SHA-256 of the model's class, config and every state-dict tensor (name, dtype, shape, bytes).
-    ``model``: an ``nn.Module`` or a block model (:mod:`fairprune.causal.blocks`), whose tensors
-    are read one at a time (a streamed model's from its files, in the run's dtype: the bytes
-    ``from_pretrained`` would load, so the same digest). Kept on a block model once computed."""
-    blocks = as_blocks(model)
-    found = getattr(blocks, "_digest", None)
-    if found is not None:
-        return found
-    module = blocks.model
-    digest = hashlib.sha256(type(module).__name__.encode())
-    config = getattr(module, "config", None)
-    if config is not None:
-        settings = {k: v for k, v in config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
-        digest.update(json.dumps(settings, sort_keys=True, default=str).encode())
-    state = module.state_dict(keep_vars=True)
-    for name in sorted(state):
-        digest.update(f"{name}|{state[name].dtype}|{tuple(state[name].shape)}".encode())
-        flat = blocks.read_output(name).detach().to("cpu").contiguous().reshape(-1)
-        digest.update(memoryview(flat.view(torch.uint8).numpy()))
-    if blocks is model:
-        blocks._digest = digest.hexdigest()
-    return digest.hexdigest()
+    """SHA-256 of the model's class, config and every state-dict tensor
+    (:meth:`fairprune.causal.blocks.BlockModel.digest`). ``model``: an ``nn.Module`` or a block
+    model, which keeps it once computed."""
+    return as_blocks(model).digest()
 
 
 def _ids_digest(rows: list[list[int]] | torch.Tensor) -> str:
@@ -175,7 +157,7 @@ def dense_figures(model, tokenizer, eval_ids: torch.Tensor, eval_pairs: list, wi
     ``use_cache`` False measures without reading or writing the cache."""
     blocks = as_blocks(model)
     key = cache_key(blocks, tokenizer, eval_ids, eval_pairs, window, eval_tokens, device) if use_cache else None
-    how = ", streamed" if blocks.streamed else ""
+    how = "" if blocks.holds_changes else f", {blocks.how}"
     return cached_figures(key, lambda: measure_lm_items(blocks, tokenizer, eval_ids, eval_pairs, window, device, progress=progress),
                           progress, how=how)
 

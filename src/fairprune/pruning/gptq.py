@@ -114,10 +114,11 @@ class LayerQuantizer:
     """``--quantize``'s plan for a run: the scheme (bits, one group size), whether GPTQ compensates,
     and the scales GPTQ chose, by full module name, for the writer to store."""
 
-    def __init__(self, quantize: str, group: int):
+    def __init__(self, quantize: str, group: int, asked: int | None = None):
         from fairprune.hub.quantized import BITS, is_gptq, weight_args
 
         self.quantize, self.group, self.bits = quantize, group, BITS[quantize]
+        self.asked = group if asked is None else asked  # the group size asked for (``group``: the one used)
         self.gptq = is_gptq(quantize)
         self.args = weight_args(self.bits, group)
         self.scales: dict[str, torch.Tensor] = {}

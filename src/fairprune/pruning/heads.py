@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
+from fairprune.causal import pipeline
 from fairprune.causal.blocks import BlockModel, as_blocks
 from fairprune.causal.families import Family, family_of, linear_weight
 from fairprune.errors import UserError
@@ -222,14 +223,19 @@ class _LayerPlan:
 @torch.no_grad()
 def remove_heads(model: nn.Module, heads: Iterable[Head], loadable: bool = True) -> HeadRemoval:
     """Prune ``heads`` from ``model`` in place (see the module docstring for ``loadable``)."""
-    family = family_of(model)
-    blocks = family.block_list(model)
-    change, report, fields = _removal(family, model.config, len(blocks), heads, loadable)
-    for layer, block in enumerate(blocks):
-        change(layer, block)
+    blocks = as_blocks(model)
+    change, report, fields = _removal(blocks.family, model.config, len(blocks.blocks), heads, loadable)
+    pipeline.run(blocks, [Changing(change)])
     for name, value in fields.items():  # every layer now has the same counts (the plan pads them): the config states them
         setattr(model.config, name, value)
     return report
+
+
+class Changing(pipeline.Step):
+    """A pass step that changes each block in place with ``change(index, block)``."""
+
+    def __init__(self, change):
+        self.change = change
 
 
 @torch.no_grad()
@@ -383,12 +389,16 @@ def head_weight_norms(model) -> torch.Tensor:
     n_heads, n_kv, head_dim = family.num_heads(config), family.num_kv_heads(config), family.head_dim(config)
     group = n_heads // n_kv
     norms = []
-    for _, block in blocks.each_block(blocks.run_device()):
-        weights = [linear_weight(layer).float() for layer in family.qkv_layers(block)]
-        q, k, v = weights if len(weights) == 3 else weights[0].split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim])
-        out = linear_weight(family.attention_out(block)).float()
-        sq = lambda w: w.pow(2).view(-1, head_dim, w.shape[-1]).sum((1, 2))  # noqa: E731 [heads]
-        kv = (sq(k) + sq(v)).repeat_interleave(group)
-        o = out.t().pow(2).reshape(n_heads, head_dim, -1).sum((1, 2))
-        norms.append((sq(q) + kv + o).sqrt().cpu())
+
+    class Norms(pipeline.Step):
+        def change(self, index: int, block: nn.Module) -> None:  # reads only
+            weights = [linear_weight(layer).float() for layer in family.qkv_layers(block)]
+            q, k, v = weights if len(weights) == 3 else weights[0].split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim])
+            out = linear_weight(family.attention_out(block)).float()
+            sq = lambda w: w.pow(2).view(-1, head_dim, w.shape[-1]).sum((1, 2))  # noqa: E731 [heads]
+            kv = (sq(k) + sq(v)).repeat_interleave(group)
+            o = out.t().pow(2).reshape(n_heads, head_dim, -1).sum((1, 2))
+            norms.append((sq(q) + kv + o).sqrt().cpu())
+
+    pipeline.run(blocks, [Norms()])
     return torch.stack(norms)

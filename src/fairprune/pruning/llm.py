@@ -33,9 +33,9 @@ from fairprune.errors import UserError
 from fairprune.hub.checks import nonfinite
 from fairprune.metrics.bootstrap import lm_intervals, lm_paired
 from fairprune.metrics.language import LMItems
-from fairprune.pruning import registry
-from fairprune.pruning.calibration import PAIR_BATCH, rank_inputs, run_layerwise
+from fairprune.pruning.calibration import PAIR_BATCH, modify, rank_inputs
 from fairprune.pruning.masks import Target, achieved_sparsity, sparsity_table
+from fairprune.pruning.modifiers import Modifier, from_flags
 from fairprune.pruning.options import SolverOptions
 from fairprune.pruning.registry import Method
 from fairprune.pruning.select import magnitude, n_m, top_k
@@ -148,35 +148,36 @@ def prune_causal_lm(
     method needs ``all``). An expert that no calibration token reached (routed) is pruned by
     magnitude, and the result's ``experts`` says which and the tokens each expert saw.
     """
+    return prune_with(model, from_flags(method, sparsity, settings={"blocksize": solver.blocksize, "percdamp": solver.percdamp}),
+                      calib_ids, pairs, device, solver.moe_calibrate, progress, writer, batching)
+
+
+def prune_with(model, modifiers: list[Modifier], calib_ids: torch.Tensor | None = None,
+               pairs: tuple[torch.Tensor, ...] | None = None, device: str | torch.device = "cpu",
+               moe_calibrate: str = "all", progress: bool = True, writer=None,
+               batching: Batching = Batching()) -> dict:
+    """:func:`prune_causal_lm` with the run's modifiers given (a recipe's, or the flags':
+    :mod:`fairprune.pruning.modifiers`): one pruning method, optionally followed by ``quantize``."""
+    from fairprune.pruning.modifiers import Prune, Quantize
+
     start = time.perf_counter()
-    entry = registry.get(method, "lm")
+    pruning = [m for m in modifiers if isinstance(m, Prune)]
+    if len(pruning) != 1 or not isinstance(modifiers[0], Prune) or any(not isinstance(m, Quantize) for m in modifiers[1:]):
+        raise UserError("a run applies one pruning method, optionally followed by quantize; got "
+                        f"{' then '.join(m.name for m in modifiers) or 'nothing'}")
+    prune, method, sparsity = pruning[0], pruning[0].name, pruning[0].sparsity
+    entry = prune.entry
     blocks = as_blocks(model)
-    blocks._digest = None  # its weights change: a digest taken before no longer holds
     family = blocks.family
     _validate(blocks.model, family, entry, sparsity, calib_ids, pairs)
     moe = any(fused_experts(block) for block in blocks.blocks[:1])
-    if moe and entry.paired and solver.moe_calibrate != "all":
+    if moe and entry.paired and moe_calibrate != "all":
         raise UserError(f"{method} compares both sides of each pair inside the same expert, so it calibrates with every "
-                        f"token through every expert: drop --moe_calibrate {solver.moe_calibrate} (or give all)")
-    gptq = blocks.quantizer if blocks.quantizer is not None and blocks.quantizer.gptq else None
+                        f"token through every expert: drop --moe_calibrate {moe_calibrate} (or give all)")
+    gptq = next((m for m in modifiers if isinstance(m, Quantize) and m.scheme.endswith("-gptq")), None)
     if gptq is not None and calib_ids is None and pairs is None:
-        raise UserError(f"--quantize {gptq.quantize} compensates from the layer Hessian: it needs calibration data "
+        raise UserError(f"--quantize {gptq.scheme} compensates from the layer Hessian: it needs calibration data "
                         "(calib_ids), also for a method that prunes from the weights alone")
-    solve_seconds = [0.0]
-    settings = {"blocksize": solver.blocksize, "percdamp": solver.percdamp}
-    dense_rows, rows = [], []
-
-    def prune(name: str, layer: nn.Module, stat) -> None:
-        dense_rows.extend(sparsity_table([Target(name, layer)]))
-        tick = time.perf_counter()
-        solve_layer(entry, layer, stat, sparsity, settings)
-        if gptq is not None:  # quantized with the mask fixed, before the next block is calibrated on it
-            from fairprune.hub.quantized import save_dtype
-
-            gptq.solve(blocks.prefix(layer)[:-1], layer, stat, settings, save_dtype(blocks.dtype))
-        stat = None
-        solve_seconds[0] += time.perf_counter() - tick
-        rows.extend(sparsity_table([Target(name, layer)]))
 
     def solved(index: int, block: nn.Module, layers: dict[str, nn.Module]) -> None:
         if writer is None:
@@ -189,30 +190,24 @@ def prune_causal_lm(
         planned = set(writer.missing())
         writer.write_many((name, t) for name, t in blocks.state_of(block) if name in planned)
 
-    def make_stat(name: str, layer: nn.Module):
-        columns = linear_weight(layer).shape[1]
-        own = entry.make_statistic(columns, device=device) if entry.statistic is not None else None
-        return own if gptq is None else gptq.statistic(own, columns, entry.hessian, device)
-
     calibrated = entry.statistic is not None or gptq is not None
     inputs = rank_inputs(calib_ids, pairs, batching.windows, batching.pairs) if calibrated else None  # this rank's share
-    tokens = run_layerwise(blocks, inputs, device, make_stat if calibrated else None, prune,
-                           progress and distributed.is_main(), desc=method, after=solved,
-                           moe_calibrate=solver.moe_calibrate)
+    tokens = modify(blocks, inputs, device, modifiers, progress and distributed.is_main(), desc=method, after=solved,
+                    moe_calibrate=moe_calibrate)
     if writer is not None:
         for name in writer.missing():  # the front, the final norm, the head: as they are
             writer.write(name, blocks.read_output(name))
-    total = sum(r["numel"] for r in rows)
+    done = prune.facts()
     return {
         "method": method,
         "family": family.name,
         "target_sparsity": float(sparsity.fraction),
         "nm": str(sparsity) if sparsity.nm else None,
-        "achieved_sparsity": sum(r["zeros"] for r in rows) / total if total else 0.0,
-        "dense_zero_fraction": sum(r["zeros"] for r in dense_rows) / total if total else 0.0,
-        "layers": {r["layer"]: r["sparsity"] for r in rows},
-        "seconds": {"solve": solve_seconds[0], "total": time.perf_counter() - start},
-        **({"experts": _expert_facts(tokens, solver.moe_calibrate if calibrated else None)} if moe else {}),
+        "achieved_sparsity": done["achieved_sparsity"],
+        "dense_zero_fraction": done["dense_zero_fraction"],
+        "layers": done["layers"],
+        "seconds": {"solve": done["solve"], "total": time.perf_counter() - start},
+        **({"experts": _expert_facts(tokens, moe_calibrate if calibrated else None)} if moe else {}),
     }
 
 

@@ -49,7 +49,7 @@ from fairprune.hub.compressed import dtype_name, megabytes, weights_summary
 from fairprune.metrics.language import eval_ids, measure_lm_items
 from fairprune.pruning import registry
 from fairprune.pruning.dense import DenseFigures, dense_figures, pruned_line
-from fairprune.pruning.llm import calibration_facts, evaluation_facts, lm_report, prune_causal_lm
+from fairprune.pruning.llm import calibration_facts, evaluation_facts, lm_report, prune_with
 from fairprune.pruning.options import LMOptions, SolverOptions
 from fairprune.pruning.sparsity import Sparsity
 from fairprune.pruning.tasks import attach, measure_tasks
@@ -72,7 +72,7 @@ class Measuring:
 
 @dataclass(frozen=True)
 class Pruned:
-    """A prune done on a block model in memory, left on it by :func:`prune_run` (``blocks.pruned``):
+    """A prune done on a block model in memory, recorded by :func:`prune_run` (its ``record``):
     the method and sparsity, :func:`fairprune.pruning.llm.prune_causal_lm`'s ``result`` and the
     run folder the float model was written to."""
 
@@ -129,36 +129,32 @@ def memory_facts(blocks, start_bytes: int) -> dict[str, Any]:
             **({"peak_rss_bytes_per_rank": peaks} if len(peaks) > 1 else {})}
 
 
-def _quantizer(blocks, lm: LMOptions):
-    """``--quantize``'s plan for the run (None without it): the scheme and the model's one group size."""
-    if lm.quantize == "none":
-        return None
-    from fairprune.causal.experts import refuse_quantize
-    from fairprune.hub.quantized import check_groups, linear_layers
-
-    refuse_quantize(blocks, lm.quantize)
-    from fairprune.pruning.gptq import LayerQuantizer
-
-    groups = check_groups(linear_layers(blocks.layers()), lm.quant_group_size)
-    return LayerQuantizer(lm.quantize, min(groups.values(), default=lm.quant_group_size))
-
-
 def prune_run(blocks, method: str, sparsity: Sparsity, output: str | Path, measuring: Measuring, lm: LMOptions,
               solver: SolverOptions, config: dict[str, Any], start_from: Start = Start(),
-              progress: bool = True) -> dict[str, Any]:
+              progress: bool = True, modifiers: list | None = None, record: list | None = None) -> dict[str, Any]:
     """Prune ``blocks`` (in place, or block by block into ``output``) with ``method`` at
     ``sparsity``, measure, save and report (see the module docstring); ``config`` is written as the
     run's ``config.yaml``. ``measuring``: the texts, the evaluation ids and the dense model's
     figures, every run's reference (:func:`dense_of`). ``start_from``: what the run counts from
-    (:class:`Start`) and the prune it reuses, if any."""
+    (:class:`Start`) and the prune it reuses, if any. ``modifiers``: the run's modifiers (a
+    recipe's; None: those the flags name, ``method`` at ``sparsity`` then ``--quantize``).
+    ``record``: a list the run appends its :class:`Pruned` record to (a compare's quantized row
+    takes it)."""
+    from fairprune.pruning.modifiers import Quantize, from_flags
+
     start = time.perf_counter()
     entry = registry.get(method, "lm")
     talk = progress and distributed.is_main()
     device = resolve_device(lm.device)
     texts, tokenizer, ids, dense = measuring.texts, measuring.tokenizer, measuring.ids, measuring.dense
-    blocks.quantizer = _quantizer(blocks, lm)
-    gptq = blocks.quantizer is not None and blocks.quantizer.gptq  # GPTQ calibrates every method
+    settings = {"blocksize": solver.blocksize, "percdamp": solver.percdamp}
+    if modifiers is None:
+        modifiers = from_flags(method, sparsity, lm.quantize, lm.quant_group_size, settings)
+    quantize = next((m for m in modifiers if isinstance(m, Quantize)), None)
+    gptq = quantize is not None and quantize.scheme.endswith("-gptq")  # GPTQ calibrates every method
     calibrates, reuse = entry.uses_data or gptq, start_from.reuse
+    for modifier in modifiers:  # before the writer opens: a quantized model's writer stores its scales
+        modifier.begin(blocks)
     calib = (calibration_ids(tokenizer, texts.calib_text, lm.nsamples, lm.seqlen, lm.seed)
              if calibrates and reuse is None else None)
     pairs = paired_ids(tokenizer, texts.calib_pairs, lm.seqlen) if entry.paired and reuse is None else None
@@ -170,17 +166,17 @@ def prune_run(blocks, method: str, sparsity: Sparsity, output: str | Path, measu
         """Prune, save and measure; collective under torchrun: rank 0 writes into ``out`` (the
         staging folder), the other ranks (``out`` None) calibrate, solve and measure beside it."""
         tick = time.perf_counter()
-        writer = blocks.writer(out)  # streamed and --quantize: it quantizes each block as it is written
+        writer = blocks.writer(out)  # streamed: each block written as it is changed (quantized when asked)
         try:
             if reuse is None:
-                result = prune_causal_lm(blocks, method, sparsity, calib, pairs, device, solver, progress=talk, writer=writer)
-                blocks.pruned = Pruned(method, str(sparsity), result, Path(output))
+                result = prune_with(blocks, modifiers, calib, pairs, device, solver.moe_calibrate, talk, writer)
+                if record is not None:
+                    record.append(Pruned(method, str(sparsity), result, Path(output)))
             else:
                 result = {**reuse.result, "seconds": {**reuse.result["seconds"], "solve": 0.0}}
-            saving = SaveOptions(save_format=lm.save_format, nm=sparsity.nm, quantize=lm.quantize,
-                                 quant_group_size=lm.quant_group_size, trust_remote_code=lm.trust_remote_code,
-                                 progress=progress)
-            pruned, weights = blocks.save(out, output, tokenizer, writer, method, saving)
+            saving = SaveOptions(save_format=lm.save_format, nm=sparsity.nm, trust_remote_code=lm.trust_remote_code,
+                                 progress=progress, method=method, output=str(output))
+            pruned, weights = blocks.save(out, tokenizer, saving)
             written = None
             if out is not None:  # what the files hold, before anything is measured on them
                 written = measure_written(out, blocks)
@@ -206,7 +202,7 @@ def prune_run(blocks, method: str, sparsity: Sparsity, output: str | Path, measu
             evaluation=evaluation_facts(ids, lm.window, lm.eval_tokens, texts.eval_pairs, tokenizer),
             seconds={"load": load_seconds, **saved, "solve": result["seconds"]["solve"],
                      "evaluate": dense_seconds + (end - pruned_at), "total": load_seconds + dense_seconds + end - start},
-            threads=torch.get_num_threads(), stream=blocks.streamed, weights=weights, memory=memory))
+            threads=torch.get_num_threads(), stream=blocks.how == "streamed", weights=weights, memory=memory))
         report["reference"]["seconds"] = dense.seconds
         report["achieved_sparsity"] = written["achieved"]
         report["sparsity"].update(achieved=written["achieved"], solver_achieved=result["achieved_sparsity"],
@@ -230,7 +226,7 @@ def prune_run(blocks, method: str, sparsity: Sparsity, output: str | Path, measu
         print(pruned_line(method, report, output), flush=True)
         print(f"[{method}] sparsity as written, by kind: {written_summary(report['sparsity'])}", flush=True)
         label = method if report.get("quantization") is None else f"{method} + {report['quantization']['scheme']}"
-        print(f"[{label}] {weights_summary({**report['weights'], 'quantization': report.get('quantization')})}; {'streamed' if blocks.streamed else 'in memory'} in "
+        print(f"[{label}] {weights_summary({**report['weights'], 'quantization': report.get('quantization')})}; {blocks.how} in "
               f"{dtype_name(blocks.dtype)}, peak resident memory {megabytes(memory['peak_rss_bytes'])} "
               f"({megabytes(memory['peak_rss_at_start_bytes'])} when the run began) for a {megabytes(memory['model_bytes'])} "
               "model", flush=True)

@@ -172,14 +172,14 @@ def _cells(output: str, methods: list[str], sparsities: list[str | float | Spars
 
 def _reusable(kept, method: str, sparsity: Sparsity, quantize: str) -> Pruned | None:
     """What a quantized row takes from its float row (``kept``: that run's model in memory,
-    pruned): its prune, when the row rounds to nearest (w4a16, w8a16), so the same pruned weights
+    pruned, and its :class:`Pruned` record): its prune, when the row rounds to nearest (w4a16, w8a16), so the same pruned weights
     are quantized without pruning again; None for a float row and for GPTQ (``-gptq``), whose
     rounding is solved from the calibration Hessians while the model is pruned."""
     from fairprune.hub.quantized import is_gptq
 
     if kept is None or quantize == "none" or is_gptq(quantize):
         return None
-    pruned = kept.pruned
+    _, pruned = kept
     return pruned if (pruned.method, pruned.sparsity) == (method, str(sparsity)) else None
 
 
@@ -250,7 +250,7 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
         tick = time.perf_counter()
         reuse = _reusable(kept[0] if kept else None, method, s, quantize)
         if reuse is not None:  # the float row's model, pruned: quantized as it is
-            opened[:], load_seconds = [kept[0]], 0.0
+            opened[:], load_seconds = [kept[0][0]], 0.0
         kept.clear()
         if not opened:  # each later run opens the model again
             opened.append(open_blocks(lm, stream))
@@ -258,10 +258,12 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
         run_lm = replace(lm, quantize=quantize, quantize_methods=None)
         config = config_of(cell)
         blocks = opened.pop()
+        record: list = []
         report = prune_run(blocks, method, s, cell.folder, measuring, run_lm, solver, config,
-                           Start(load_seconds, peak_rss_bytes(), shared_dense=True, reuse=reuse), machine.progress)
-        if quantize == "none" and not blocks.streamed:
-            kept.append(blocks)
+                           Start(load_seconds, peak_rss_bytes(), shared_dense=True, reuse=reuse), machine.progress,
+                           record=record)
+        if quantize == "none" and blocks.holds_changes:  # in memory: the pruned model, for the quantized row
+            kept.append((blocks, record[0]))
         return report
 
     def finish(done: list[tuple[Cell, dict[str, Any]]]) -> Written:

@@ -7,7 +7,7 @@ configuration (:meth:`~fairprune.pruning.heads.HeadGates.per_row`), so one forwa
 
 Perplexity reuses prefixes: a configuration whose first switched-off head is in layer ``l``
 computes exactly what the unchanged model computes below ``l``. Every forward is a pass over the
-block model (:mod:`~fairprune.pruning.fasp.passes`: each block loaded once for all the pass's
+block model (:mod:`~fairprune.causal.pipeline`: each block loaded once for all the pass's
 batches, so a streamed model is read once per pass): the windows run under the model's own gates
 (the *base*) up to the deepest first layer among the pass's configurations, and each
 configuration's rows join at their first layer from the base's hidden states there and run the
@@ -31,9 +31,10 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from fairprune.causal import pipeline
 from fairprune.causal.blocks import as_blocks
+from fairprune.causal.pipeline import capture, element_size, hidden_size, passes, through
 from fairprune.metrics.language import eval_windows
-from fairprune.pruning.fasp.passes import capture, element_size, hidden_size, passes, through
 from fairprune.pruning.heads import HeadGates
 
 ROW_BUDGET_CPU = 512 * 2**20  # bytes of activations one forward may use on a CPU
@@ -112,7 +113,8 @@ def _pass(blocks, windows: torch.Tensor, group: list[_Chunk], sums: torch.Tensor
     base, batches = captured[: len(base_inputs)], captured[len(base_inputs):]
     for batch, chunk in zip(batches, group):
         batch.gates = chunk.gates
-    for index, block in blocks.each_block(device, progress, "perplexity"):
+
+    def flow(index: int, block, _) -> None:  # the base joins each chunk at the block where its heads start to differ
         joining = [(batch, chunk) for batch, chunk in zip(batches, group) if 0 < chunk.start == index]
         if joining:
             state = torch.cat([b.hidden for b in base])
@@ -121,6 +123,8 @@ def _pass(blocks, windows: torch.Tensor, group: list[_Chunk], sums: torch.Tensor
         through(index, block, [batch for batch, chunk in zip(batches, group) if chunk.start <= index], gates)
         if index < top:
             through(index, block, base)
+
+    pipeline.run(blocks, batches=captured, device=device, flow=flow, progress=progress, desc="perplexity")
     finals = blocks.tail([batch.hidden for batch in batches], device)
     with blocks.head(device) as head:
         for hidden, chunk in zip(finals, group):

@@ -2,7 +2,7 @@
 
 ``importance[l, h] = Σ_batches |∂loss_b/∂gate_{l,h}|`` over the non-overlapping windows of the
 perplexity text, ``loss_b`` the mean next-token loss of batch ``b``. The forward is a pass over the
-blocks (:mod:`~fairprune.pruning.fasp.passes`) keeping every block's input; the loss's gradient at
+blocks (:mod:`~fairprune.causal.pipeline`) keeping every block's input; the loss's gradient at
 the last block's output comes from the tail and the head; then the blocks are loaded once more in
 reverse order and each is run again with gradients on to carry the gradient back to its input and to
 its layer's gates (a gate acts only in its own layer, so that block gives its whole gradient). In
@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fairprune.causal import pipeline
 from fairprune.causal.blocks import as_blocks
-from fairprune.causal.forward import call_block
+from fairprune.causal.pipeline import call_block, capture, element_size, hidden_of, hidden_size, passes, through
 from fairprune.errors import UserError
-from fairprune.pruning.fasp.passes import Batch, capture, element_size, hidden_size, passes, through
 from fairprune.pruning.heads import HeadGates
 
 
@@ -56,10 +56,13 @@ def _pass(blocks, group: list[torch.Tensor], gates: HeadGates, device) -> torch.
     with torch.no_grad():
         batches = capture(blocks, [{"input_ids": ids} for ids in group], device)
         inputs = [[b.hidden] for b in batches]  # every block's input, per batch
-        for index, block in blocks.each_block(device, desc="gradient"):
+
+        def forward(index: int, block, batches) -> None:
             through(index, block, batches)
             for kept, b in zip(inputs, batches):
                 kept.append(b.hidden)
+
+        pipeline.run(blocks, batches=batches, device=device, flow=forward, desc="gradient")
     with torch.enable_grad():
         finals = [kept[-1].detach().requires_grad_() for kept in inputs]
         tails = blocks.tail(finals, device)
@@ -71,15 +74,16 @@ def _pass(blocks, group: list[torch.Tensor], gates: HeadGates, device) -> torch.
                 loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
                 grads.append(torch.autograd.grad(loss, final)[0])
     importance = torch.zeros_like(gates.values)
-    gates.values.requires_grad_(True)
-    for index in reversed(range(len(blocks.blocks))):
-        block = blocks.blocks[index]
-        with blocks.loaded(block, device=device), torch.enable_grad():
+
+    def backward(index: int, block, batches) -> None:  # the blocks last to first: each one's gradient at its input
+        with torch.enable_grad():
             for n, (kept, b) in enumerate(zip(inputs, batches)):
                 x = kept[index].detach().requires_grad_()
-                out = call_block(index, block, Batch(x, b.calls))
-                out = out[0] if isinstance(out, (tuple, list)) else out
+                out = hidden_of(call_block(index, block, b, hidden=x))
                 grads[n], gate_grad = torch.autograd.grad(out, [x, gates.values], grads[n])
-                importance += gate_grad.abs().cpu()
+                importance.add_(gate_grad.abs().cpu())
+
+    gates.values.requires_grad_(True)
+    pipeline.run(blocks, batches=batches, device=device, flow=backward, reverse=True, desc="gradient")
     gates.values.requires_grad_(False)
     return importance

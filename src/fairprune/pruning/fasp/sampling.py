@@ -20,7 +20,7 @@ near-tie can then flip a sampled token.
 A row that emits an end-of-sequence token is finished: it gets pad tokens from then on and its
 text ends there; a batch stops when every row is finished, the loop after ``max_new_tokens``.
 
-Every step is a pass over the block model (:mod:`~fairprune.pruning.fasp.passes`): the batches
+Every step is a pass over the block model (:mod:`~fairprune.causal.pipeline`): the batches
 of a pass advance together, each block loaded once per step for all of them with each batch's KV
 cache (the cache the model's own forward makes, filled by its blocks), and the head runs on the
 last position. A streamed model is read once per step and pass; a model in memory computes what its
@@ -38,8 +38,9 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
+from fairprune.causal import pipeline
 from fairprune.causal.blocks import as_blocks
-from fairprune.pruning.fasp.passes import capture, element_size, hidden_size, passes, through
+from fairprune.causal.pipeline import capture, element_size, hidden_size, passes, through
 from fairprune.pruning.heads import HeadGates
 
 
@@ -162,8 +163,8 @@ def _lockstep(blocks, prompts: Prompts, group, settings: Generation, how: tuple)
         for s, batch in zip(live, batches):
             s.cache = _cache_of(batch.calls[0]) if s.cache is None else s.cache
             batch.gates = s.gates
-        for index, block in blocks.each_block(device, progress, f"token {step + 1}"):
-            through(index, block, batches, gates)
+        pipeline.run(blocks, batches=batches, device=device, flow=lambda i, block, bs: through(i, block, bs, gates),
+                     progress=progress, desc=f"token {step + 1}")
         finals = blocks.tail([batch.hidden[:, -1:] for batch in batches], device)
         with blocks.head(device) as head:
             for s, final in zip(live, finals):
