@@ -59,7 +59,7 @@ $(PAPER_DENSE): | $(STAMP)
 	$(PY) train.py fit --config configs/vision/paper_small.yaml --threads 1
 
 # Lint (pyflakes, isort, pyupgrade, bugbear; configured in pyproject.toml) — `make test` runs it first.
-LINT_PATHS := src tests bench
+LINT_PATHS := src tests bench examples
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINT_PATHS)
 

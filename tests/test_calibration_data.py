@@ -167,9 +167,9 @@ def test_debias_sparsegpt_calibrates_on_pairs_and_rendered_chat_rows(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from fairprune.causal.blocks import Resident
-    from fairprune.pruning.lm_run import dense_of, prune_run
     from fairprune.pruning.options import LMOptions, SolverOptions
     from fairprune.pruning.sparsity import Sparsity
+    from fairprune.runs.lm import dense_of, prune_run
     from tiny_models import tiny_gpt2_folder
 
     tiny_gpt2_folder(tmp_path)

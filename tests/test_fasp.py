@@ -18,11 +18,9 @@ from fairprune.errors import UserError
 from fairprune.metrics.toxicity import ClassifierScorer, LexiconScorer, axis_bias, bias_by_axis, make_scorer
 from fairprune.pruning.fasp import (
     Evaluator,
-    FaspSettings,
     Generation,
     generate_continuations,
     gradient_importance,
-    run_fasp,
     score_heads,
     search_gamma,
     select_fasp,
@@ -32,6 +30,7 @@ from fairprune.pruning.fasp import (
 from fairprune.pruning.heads import HeadGates, head_weight_norms
 from fairprune.pruning.options import CalibrationOptions, HeadOptions
 from fairprune.reporting.runs import write_head_run
+from fairprune.runs.fasp import FaspSettings, run_fasp
 
 GEN = Generation(max_new_tokens=4, batch_size=64)
 #: A small run_fasp: short windows and continuations, no progress bars.

@@ -159,8 +159,9 @@ def test_fasp_report_carries_the_size_and_the_scorer(tmp_path, capsys):
     from fairprune.data.prompts import holistic_prompts
     from fairprune.data.text import lm_corpus, train_bpe_tokenizer
     from fairprune.metrics import jigsaw
-    from fairprune.pruning.fasp import FaspSettings, Generation, run_fasp
+    from fairprune.pruning.fasp import Generation
     from fairprune.pruning.options import CalibrationOptions, HeadOptions
+    from fairprune.runs.fasp import FaspSettings, run_fasp
 
     corpus = lm_corpus(train_docs=40, validation_docs=8)
     tokenizer = train_bpe_tokenizer(corpus.train, 300)

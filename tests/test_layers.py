@@ -3,7 +3,7 @@ and no module imports itself back through others.
 
 Layers, top to bottom (a module may import its own package or any layer below it):
 
-    cli → workflows → callbacks → models → pruning → metrics → data → reporting → causal → hub → storage → distributed → errors
+    cli → workflows → callbacks → runs → models → pruning → metrics → data → reporting → causal → hub → storage → distributed → errors
 
 ``storage`` (atomic writes, the run lock) is file infrastructure: every layer that writes may use it.
 
@@ -19,7 +19,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "fairprune"
 
-LAYERS = ["cli", "workflows", "callbacks", "models", "pruning", "metrics", "data", "reporting", "causal", "hub", "storage memory", "distributed", "errors"]
+LAYERS = ["cli", "workflows", "callbacks", "runs", "models", "pruning", "metrics", "data", "reporting", "causal", "hub", "storage memory", "distributed", "errors"]
 RANK = {name: len(LAYERS) - i for i, layer in enumerate(LAYERS) for name in layer.split()}
 RANK["__init__"] = 0  # the package's own __init__ holds the version only
 
@@ -121,3 +121,91 @@ def test_the_causal_layer_is_the_floor_of_model_access():
                and (GRAPH[name] & set(MODEL_ACCESS) or "AutoModelForCausalLM" in MODULES[name].read_text())}
     assert not readers, f"model access belongs in fairprune.causal: {sorted(readers)}"
     assert {top(d) for d in GRAPH["fairprune.causal.streamed"]} >= {"hub"}  # the layer that reads them is causal
+
+
+# -- one pass over the blocks ---------------------------------------------------------------------
+#: The one loop that visits the blocks one by one, loading each and running it.
+THE_PASS = ("fairprune.causal.pipeline", "run")
+
+
+def block_loops(tree: ast.AST) -> list[tuple[str, int]]:
+    """``(enclosing function, line)`` of every loop that loads a part (``.loaded(...)``) or calls a
+    block (``call_block`` / ``through``) inside its body: a pass over the blocks."""
+    found = []
+
+    def visit(node: ast.AST, function: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            name = child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)) else function
+            if isinstance(child, (ast.For, ast.While)):
+                calls = [c.func for part in child.body for c in _own_nodes(part) if isinstance(c, ast.Call)]
+                names = {f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "") for f in calls}
+                if names & {"loaded", "call_block", "through"} and not _over_batches(child):
+                    found.append((name, child.lineno))
+            visit(child, name)
+
+    visit(tree, "")
+    return found
+
+
+def _own_nodes(node: ast.AST):
+    """``node`` and what it holds, but not the bodies of functions it defines (a pass's ``flow``)."""
+    yield node
+    for child in ast.iter_child_nodes(node):
+        if not isinstance(child, (ast.Lambda, ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield from _own_nodes(child)
+
+
+def _over_batches(loop: ast.AST) -> bool:
+    """A loop over a pass's batches (``for b in batches``), which runs one block on each."""
+    return isinstance(loop, ast.For) and "batches" in ast.unparse(loop.iter) and "blocks" not in ast.unparse(loop.iter)
+
+
+def test_one_loop_over_the_blocks():
+    """Measuring, pruning, quantizing, head scoring and removal, zeros and streamed writing all run
+    through :func:`fairprune.causal.pipeline.run`: no other loop loads the blocks one by one."""
+    loops = {(name, function) for name, path in MODULES.items()
+             for function, _ in block_loops(ast.parse(path.read_text(), str(path)))}
+    assert loops == {THE_PASS}, f"passes over the blocks outside the pipeline: {sorted(loops - {THE_PASS})}"
+
+
+def test_the_loop_counter_sees_a_second_pass():
+    bad = ast.parse("def measure(blocks):\n    for index, block in enumerate(blocks.blocks):\n"
+                    "        with blocks.loaded(block):\n            pass\n")
+    assert block_loops(bad) == [("measure", 2)]
+
+
+#: What a block model keeps of its own: set through its methods (quantize_with, run_on, writer,
+#: changed), never assigned from outside its classes.
+BLOCK_STATE = {"quantizer", "_quantizer", "_digest", "_device", "_writer", "pruned", "device", "streamed"}
+
+
+def test_no_streamed_branch_and_no_block_state_set_outside_the_causal_layer():
+    read, written = [], []
+    for name, path in MODULES.items():
+        if top(name) == "causal":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr == "streamed":
+                read.append(f"{name}:{node.lineno}")
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+            for target in targets:
+                if (isinstance(target, ast.Attribute) and isinstance(target.value, ast.Name)
+                        and target.value.id in ("blocks", "kept", "pruned") and target.attr in BLOCK_STATE):
+                    written.append(f"{name}:{node.lineno} {target.value.id}.{target.attr}")
+    assert not read, f".streamed read outside fairprune.causal: {read}"
+    assert not written, f"a block model's state set from outside its class: {written}"
+
+
+def test_pruning_holds_solvers_and_modifiers_not_runs():
+    """The runs (the LM run, the dense figures, the task pass, FASP's run) live in ``fairprune.runs``:
+    nothing in ``fairprune.pruning`` saves a run folder or measures a model for a report."""
+    run_code = {"fairprune.reporting.runs", "fairprune.storage.folders", "fairprune.metrics.harness"}
+    found = {name: sorted(GRAPH[name] & run_code) for name in MODULES if top(name) == "pruning" and GRAPH[name] & run_code}
+    assert not found, f"run code in fairprune.pruning: {found}"
+    assert not {"fairprune.pruning.lm_run", "fairprune.pruning.dense", "fairprune.pruning.tasks",
+                "fairprune.pruning.fasp.run"} & set(MODULES)
+    import fairprune.runs.fasp as fasp
+
+    lines = len(ast.unparse(next(n for n in ast.parse(Path(fasp.__file__).read_text()).body
+                                 if isinstance(n, ast.FunctionDef) and n.name == "run_fasp")).splitlines())
+    assert lines < 60, f"run_fasp is {lines} lines"

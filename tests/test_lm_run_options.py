@@ -18,7 +18,7 @@ from fairprune.cli.prune import main as prune_main
 from fairprune.data.pairs import Pair
 from fairprune.data.text import lm_corpus, stereo_pairs, train_bpe_tokenizer
 from fairprune.metrics.language import eval_ids, perplexity
-from fairprune.pruning.dense import cache_key, weights_digest
+from fairprune.runs.dense import cache_key, weights_digest
 from fairprune.workflows.options import MachineOptions
 
 FAST = ["--seqlen", "32", "--nsamples", "4", "--device", "cpu"]
@@ -148,7 +148,7 @@ def test_weights_digest_follows_every_weight(lm):
 
 def test_compare_measures_the_dense_model_once(lm, tmp_path, monkeypatch):
     import fairprune.metrics.language as language
-    import fairprune.pruning.dense as dense
+    import fairprune.runs.dense as dense
 
     calls = {"dense": 0, "measured": 0}
 

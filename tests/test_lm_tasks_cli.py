@@ -135,7 +135,7 @@ def test_streamed_runs_score_tasks_through_the_block_reader_as_in_memory(tiny_lm
     from fairprune.causal.streamed import StreamedModel
     from fairprune.metrics.harness import resolve_tasks
     from fairprune.pruning.options import LMOptions
-    from fairprune.pruning.tasks import measure_tasks
+    from fairprune.runs.tasks import measure_tasks
 
     monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path / "cache"))
     tasks = ["--tasks", "[mmlu, bbq_ambig_letter]", "--limit", "20", "--dense_cache", "false"]

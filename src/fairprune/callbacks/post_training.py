@@ -4,7 +4,7 @@
 ``<run>/model``, then this callback prunes a copy with the chosen method and writes
 ``<run>/pruned-<method>/`` (HF folder, ``report.json`` with the before / after perplexity and
 stereotype score). A weight method runs the run every ``prune.py <method>`` runs
-(:func:`fairprune.pruning.lm_run.prune_run`): the dense figures as the reference (from the project
+(:func:`fairprune.runs.lm.prune_run`): the dense figures as the reference (from the project
 cache when an earlier run measured the same weights on the same texts, unless ``dense_cache:
 false``), lm-eval's figures with ``lm_eval.tasks``, the timings and memory, the same report and
 folder, swapped in whole. A head method runs ``prune.py fasp``'s code. Calibration and evaluation
@@ -36,11 +36,11 @@ from fairprune.errors import UserError
 from fairprune.hub.checks import check_input_model, saved_bytes
 from fairprune.memory import peak_rss_bytes
 from fairprune.pruning import registry
-from fairprune.pruning.lm_run import Start, dense_of, prune_run
 from fairprune.pruning.options import CalibrationOptions, HeadOptions, LMOptions, SolverOptions, TaskOptions
 from fairprune.pruning.sparsity import Sparsity
-from fairprune.pruning.tasks import task_specs
 from fairprune.reporting.runs import write_head_run
+from fairprune.runs.lm import Start, dense_of, prune_run
+from fairprune.runs.tasks import task_specs
 from fairprune.storage.folders import check_free_space
 
 
@@ -118,7 +118,7 @@ class PostTrainingPruning(L.Callback):
                          save_format=self.save_format, stream=False)
 
     def _prune_weights(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        """The run every LM weight-pruning command runs (:func:`fairprune.pruning.lm_run.prune_run`),
+        """The run every LM weight-pruning command runs (:func:`fairprune.runs.lm.prune_run`),
         on a copy of the trained model: the dense figures (from the project cache when an earlier
         run measured the same weights), the lm-eval pass with ``lm_eval.tasks``, the report with its
         timings and memory, the folder swapped in whole."""
@@ -138,7 +138,7 @@ class PostTrainingPruning(L.Callback):
 
     def _prune_heads(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         from fairprune.data.prompts import read_prompts
-        from fairprune.pruning.fasp import FaspSettings, run_fasp
+        from fairprune.runs.fasp import FaspSettings, run_fasp
 
         _, val_text = trainer.datamodule.texts()
         out = run_dir(trainer) / f"pruned-{self.method}"

@@ -14,7 +14,7 @@ sees a model through :class:`BlockModel`, written down here as an abstract class
   ``save_pretrained`` writes it) and :meth:`~BlockModel.writer` (where solved blocks go as they are
   solved);
 - saving: :meth:`~BlockModel.save` with :class:`SaveOptions`;
-- running: :meth:`~BlockModel.forward`, the block forward (:mod:`fairprune.causal.forward`) over
+- running: :meth:`~BlockModel.forward`, the block forward (:mod:`fairprune.causal.pipeline`) over
   batches, every block loaded once for all of them, and :meth:`~BlockModel.head`, the logits of
   its output; :meth:`~BlockModel.runnable`, the whole model for a library that calls its forward
   (lm-evaluation-harness);
@@ -84,8 +84,9 @@ class BlockModel(abc.ABC):
     streamed = False
     dtype: torch.dtype
 
-    def __init__(self, model: nn.Module, source: str, load=None):
+    def __init__(self, model: nn.Module, source: str, load=None, device=None):
         self.model, self.config, self.source = model, model.config, source
+        self._device = device  # where the blocks run (None: where the model is)
         self._prefix = {id(m): name for name, m in model.named_modules()}
         self.family = family_of(model, load)  # ``load``: how discovery makes parts resident (streamed)
         self.blocks = list(self.family.block_list(model))
@@ -126,6 +127,19 @@ class BlockModel(abc.ABC):
                 digest.update(memoryview(flat.view(torch.uint8).numpy()))
             self._digest = digest.hexdigest()
         return self._digest
+
+    @property
+    def reads_files(self) -> bool:
+        """Whether every pass reads the blocks from the model's files (streamed: a pass is slow,
+        and a library's forward finds the parameters on ``meta`` until a hook reads them)."""
+        return self.streamed
+
+    def pass_facts(self) -> dict[str, Any]:
+        """What a report says of how a pass held the model (streamed: one part resident)."""
+        if not self.streamed:
+            return {}
+        return {"streamed": {"how": "one part resident, read from the model's files as the forward reaches it",
+                             "largest_part_bytes": self.facts()["largest_part_bytes"]}}
 
     @property
     def holds_changes(self) -> bool:
@@ -186,9 +200,16 @@ class BlockModel(abc.ABC):
         """The changed model into ``out`` (None: this rank does not write): the model the run
         measures, and the ``weights`` facts written."""
 
-    @abc.abstractmethod
     def run_on(self, device) -> None:
         """Run the blocks on ``device`` from now on (a model in memory moves there)."""
+        self._device = device
+
+    @abc.abstractmethod
+    def restructured(self, change, fields: dict[str, Any], out, progress: bool = False) -> BlockModel:
+        """The model with every block changed in its structure by ``change(index, block)`` (head
+        removal slices q/k/v and the output projection) and its config's ``fields`` set: this
+        model changed in place, or (streamed) a copy written into ``out`` block by block and opened
+        from there; :meth:`save` then finishes its folder."""
 
     @abc.abstractmethod
     def runnable(self, device) -> contextlib.AbstractContextManager:
@@ -245,7 +266,7 @@ class BlockModel(abc.ABC):
     def run_device(self) -> torch.device:
         """Where the blocks run when the caller names no device: a model in memory where it is, a
         streamed one where :meth:`run_on` said (CPU unless said)."""
-        return device_of(self.model)
+        return torch.device(self._device) if self._device is not None else device_of(self.model)
 
 
 class Resident(BlockModel):
@@ -293,7 +314,7 @@ class Resident(BlockModel):
         return None
 
     def run_on(self, device) -> None:
-        self.model.to(device)
+        self.model.to(device)  # where it is is where it runs
 
     def save(self, out, tokenizer, options: SaveOptions) -> tuple[Resident, dict | None]:
         """The changed model into ``out`` (None on ranks that do not write), refused when not
@@ -326,6 +347,14 @@ class Resident(BlockModel):
         loaded = load_quantized(folder, self.dtype, options.trust_remote_code, progress=options.progress and out is not None)
         return Resident(loaded, source=self.source), weights
 
+    @torch.no_grad()
+    def restructured(self, change, fields: dict[str, Any], out=None, progress: bool = False) -> Resident:
+        pipeline.run(self, [pipeline.Each(change=change)])
+        for name, value in fields.items():
+            setattr(self.model.config, name, value)
+        self.changed()
+        return self
+
     @contextlib.contextmanager
     def runnable(self, device) -> Iterator[nn.Module]:
         """The model itself on ``device``, back where it was afterwards."""
@@ -345,22 +374,16 @@ def as_blocks(model) -> BlockModel:
     return model if isinstance(model, BlockModel) else Resident(model)
 
 
-class _Zeros(pipeline.Step):
-    """Counts the exact zeros of what the methods prune in each block (its linear layers but the
-    routers, and each expert of a fused expert parameter)."""
-
-    def __init__(self, family):
-        self.family, self.zeros, self.total = family, 0, 0
-
-    def change(self, index: int, block: nn.Module) -> None:
-        for unit in self.family.block_units(block).values():
-            self.zeros += int((unit.weight == 0).sum())
-            self.total += unit.weight.numel()
-
-
 @torch.no_grad()
 def zero_fraction(blocks) -> float:
-    """The share of exact zeros in what the methods prune in every block, one block loaded at a time."""
-    zeros = _Zeros(blocks.family)
-    pipeline.run(blocks, [zeros], device="cpu")
-    return zeros.zeros / zeros.total if zeros.total else 0.0
+    """The share of exact zeros in what the methods prune in every block (its linear layers but the
+    routers, and each expert of a fused expert parameter), one block loaded at a time."""
+    counts = [0, 0]
+
+    def count(index: int, block: nn.Module) -> None:
+        for unit in blocks.family.block_units(block).values():
+            counts[0] += int((unit.weight == 0).sum())
+            counts[1] += unit.weight.numel()
+
+    pipeline.run(blocks, [pipeline.Each(change=count)], device="cpu")
+    return counts[0] / counts[1] if counts[1] else 0.0

@@ -132,10 +132,22 @@ class Step:
         yield None
 
     def change(self, index: int, block: nn.Module) -> None:
-        """Change block ``index`` in place."""
+        """Change block ``index`` in place (or read it: a measuring step)."""
 
     def emit(self, index: int, block: nn.Module) -> None:
         """Block ``index`` is changed and its batches have run through it."""
+
+
+class Each(Step):
+    """A step from functions: ``change(index, block)`` (change the block, or read it: a measuring
+    step) and ``emit(index, block)``."""
+
+    def __init__(self, change: Callable[[int, nn.Module], None] | None = None,
+                 emit: Callable[[int, nn.Module], None] | None = None):
+        if change is not None:
+            self.change = change
+        if emit is not None:
+            self.emit = emit
 
 
 def run(blocks, steps: Sequence[Step] = (), batches: list[Batch] | None = None, *, device=None,

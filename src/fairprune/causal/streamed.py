@@ -69,7 +69,7 @@ class StreamedModel(BlockModel):
         source = source or str(folder)  # the name the user gave, for messages
         self.reader = open_reader(self.folder)  # a pack-quantized folder: its layers read decompressed
         self.dtype = dtype or torch.float32
-        self.trust_remote_code, self._device = trust_remote_code, device
+        self.trust_remote_code = trust_remote_code
         try:
             config = AutoConfig.from_pretrained(self.folder, trust_remote_code=trust_remote_code)
             if isinstance(self.reader, QuantizedReader) and hasattr(config, "quantization_config"):
@@ -93,7 +93,7 @@ class StreamedModel(BlockModel):
         self._find_converted()
         self._check_shapes()
         # the structure is found by a skeleton forward with the front and block 0 read from the files
-        super().__init__(model, source, load=self.loaded)
+        super().__init__(model, source, load=self.loaded, device=device)
         self._check_stored()
 
     def _check_shapes(self) -> None:
@@ -260,12 +260,6 @@ class StreamedModel(BlockModel):
             self._writer = ShardWriter(out, self.output_tensors(), total_parameters=self.num_parameters())
         return self._writer
 
-    def run_on(self, device) -> None:
-        self._device = device
-
-    def run_device(self) -> torch.device:
-        return torch.device(self._device)
-
     def weight_bytes(self) -> int:
         """Bytes of the weights ``save_pretrained`` writes in the run's dtype."""
         return sum(t.numel() * t.element_size() for t in self.output_tensors().values())
@@ -281,9 +275,14 @@ class StreamedModel(BlockModel):
         0's files on every rank (a quantized one's layers decompressed as read), and the ``weights``
         facts of the files."""
         from fairprune.distributed import broadcast_text
-        from fairprune.hub.compressed import dtype_name, weight_file_bytes
+        from fairprune.hub.compressed import dense_facts
 
         weights = None
+        if self._writer is None:  # restructured into its own folder: only the tokenizer is missing
+            if out is not None:
+                tokenizer.save_pretrained(out)
+                weights = dense_facts(out, self.weight_bytes(), self.dtype)
+            return self, weights
         if out is not None:
             writer, self._writer = self._writer, None
             writer.close()
@@ -293,25 +292,24 @@ class StreamedModel(BlockModel):
             if plan is not None:
                 weights = writer.finish(out, plan.asked)
             else:
-                dense, written = self.weight_bytes(), weight_file_bytes(out)
-                weights = {"save_format": "dense", "dtype": dtype_name(self.dtype), "format": "dense",
-                           "dense_bytes": dense, "file_bytes": written, "ratio": written / dense if dense else None}
+                weights = dense_facts(out, self.weight_bytes(), self.dtype)
         folder = Path(broadcast_text(None if out is None else str(out)))
         return StreamedModel(folder, self.dtype, options.trust_remote_code, source=options.output), weights
 
-    def rewritten(self, out: Path | None, change: Callable[[int, nn.Module], None], config, progress: bool = False,
-                  source: str | None = None) -> StreamedModel:
+    def restructured(self, change: Callable[[int, nn.Module], None], fields, out: Path | None,
+                     progress: bool = False) -> StreamedModel:
         """The model with every block changed in its structure (``change(index, block)``, in place,
-        on a copy of the block: head removal slices q/k/v and the output projection) written into
-        ``out`` with ``config`` (the changed model's) beside it, then opened from there; this
-        model is left as it was. The writer plans the changed shapes from meta copies of the
-        blocks, then each block is read, copied, changed and written (the block and its copy
-        resident), and the front, final norm and head pass through as they are: the files
+        on a copy of the block) written into ``out`` with its config's ``fields`` set, then opened
+        from there; this model is left as it was. The writer plans the changed shapes from meta
+        copies of the blocks, then each block is read, copied, changed and written (the block and
+        its copy resident), and the front, final norm and head pass through as they are: the files
         ``save_pretrained`` of the changed model writes. Under ``torchrun`` the rank given ``out``
         writes; the others (``out`` None) open its files once written."""
         from fairprune.distributed import broadcast_text
         from fairprune.hub.shards import ShardWriter
 
+        config = copy.deepcopy(self.config)
+        config.update(fields)
         if out is not None:
             planned, parameters = self.output_tensors(), self.num_parameters()
             for index, block in enumerate(self.blocks):  # the changed shapes, from meta copies (no weights read)
@@ -320,16 +318,14 @@ class StreamedModel(BlockModel):
                 planned.update(self._state(block, changed))
                 parameters += sum(p.numel() for p in changed.parameters()) - sum(p.numel() for p in block.parameters())
             writer = ShardWriter(out, planned, total_parameters=parameters)
-            model = self
 
-            class Rewrite(pipeline.Step):  # each block read, copied, changed and written
-                def emit(self, index: int, block: nn.Module) -> None:
-                    changed = copy.deepcopy(block)
-                    change(index, changed)
-                    writer.write_many(model._state(block, changed).items())
+            def rewrite(index: int, block: nn.Module) -> None:  # each block read, copied, changed and written
+                changed = copy.deepcopy(block)
+                change(index, changed)
+                writer.write_many(self._state(block, changed).items())
 
             try:
-                pipeline.run(self, [Rewrite()], device="cpu", progress=progress, desc="writing")
+                pipeline.run(self, [pipeline.Each(emit=rewrite)], device="cpu", progress=progress, desc="writing")
                 for name in writer.missing():  # the front, the final norm, the head: as they are
                     writer.write(name, self.read_output(name))
                 writer.close()
@@ -337,7 +333,7 @@ class StreamedModel(BlockModel):
                 writer.abort()
             self.write_model_files(Path(out), config=config)
         folder = Path(broadcast_text(None if out is None else str(out)))
-        return StreamedModel(folder, self.dtype, self.trust_remote_code, source=source or str(folder), device=self._device)
+        return StreamedModel(folder, self.dtype, self.trust_remote_code, source=str(folder), device=self._device)
 
     def _state(self, block: nn.Module, changed: nn.Module) -> dict[str, torch.Tensor]:
         """The state-dict entries of ``changed`` (a copy of ``block``) under ``block``'s full names."""
@@ -349,8 +345,7 @@ class StreamedModel(BlockModel):
         return state
 
     def facts(self) -> dict[str, int]:
-        """The sizes a report's ``memory`` records: the model's, its largest block's and the largest
-        part resident at once."""
+        """A report's ``memory`` sizes: the model's, its largest block's, the largest part resident."""
         block = max(self.nbytes(b) for b in self.blocks)
         parts = [self.nbytes(*self.front_modules()), self.nbytes(*self.tail_modules()[:-1]), self.nbytes(self.tail_modules()[-1])]
         return {"largest_block_bytes": block, "largest_part_bytes": max(block, *parts), "model_bytes": self.weight_bytes()}

@@ -50,6 +50,9 @@ def commands() -> dict[str, Command]:
         table[method] = Command(f"Post-training {method} pruning of a causal LM (unstructured or N:M); "
                                    "writes a transformers folder and its report.", "fairprune.workflows.lm:prune_lm",
                                    {"method": method}, hide=("quantize_methods",))
+    table["recipe"] = Command("Post-training run of a causal LM by a recipe (--recipe FILE: one pruning method, then "
+                              "optionally quantize); the same folder and report as the method's own command.",
+                              "fairprune.workflows.lm:prune_recipe", hide=("quantize", "quant_group_size", "quantize_methods"))
     table["fasp"] = Command("FASP: remove the attention heads that most raise toxicity disparity, protecting the "
                                "heads perplexity needs (or a baseline: " + ", ".join(registry.names("heads")[1:]) + ").",
                                "fairprune.workflows.heads:fasp", hide=("save_format", "quantize", "quant_group_size",

@@ -317,6 +317,14 @@ def load_compressed(folder: str | os.PathLike, task_class: Any, dtype: torch.dty
     return model.eval()
 
 
+def dense_facts(folder: str | os.PathLike, dense: int, dtype: torch.dtype) -> dict[str, Any]:
+    """The ``weights`` block of dense weight files in ``folder`` (``dense``: what ``save_pretrained``
+    writes in ``dtype``, computed; the files' bytes measured)."""
+    written = weight_file_bytes(folder)
+    return {"save_format": "dense", "dtype": dtype_name(dtype), "format": "dense", "dense_bytes": dense,
+            "file_bytes": written, "ratio": written / dense if dense else None}
+
+
 def save_weights(model: nn.Module, folder: str | os.PathLike, save_format: str = "dense",
                  nm: tuple[int, int] | None = None, layers: dict[str, nn.Module] | None = None) -> dict[str, Any]:
     """Write ``model``'s weights into ``folder`` in ``save_format`` (``compressed``: ``layers``, the

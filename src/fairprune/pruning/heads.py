@@ -8,7 +8,7 @@
   its own ``[layers, heads]`` gates, so one forward pass evaluates many head sets at once.
 * :func:`remove_heads` slices heads out of q/k/v and the output projection and updates the
   attention module's head-count attributes, so the pruned model computes exactly what the gated
-  model computes; :func:`write_without_heads` does the same to a streamed model, writing each
+  model computes; :func:`without_heads` does the same to a streamed model, writing each
   block without its heads into a new folder (one block resident).
 
 Where a family keeps its heads (attention module, q/k/v projections, head-count attributes) is
@@ -37,7 +37,6 @@ serve the same number of query heads, so groups are padded with zeroed query hea
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -221,35 +220,22 @@ class _LayerPlan:
 
 
 @torch.no_grad()
-def remove_heads(model: nn.Module, heads: Iterable[Head], loadable: bool = True) -> HeadRemoval:
-    """Prune ``heads`` from ``model`` in place (see the module docstring for ``loadable``)."""
+def without_heads(model, heads: Iterable[Head], loadable: bool = True, out=None,
+                  progress: bool = False) -> tuple[BlockModel, HeadRemoval]:
+    """``heads`` removed from ``model`` (an ``nn.Module`` or a block model) and the
+    :class:`HeadRemoval`: every block changed by one pass and the config's head counts set
+    (:meth:`~fairprune.causal.blocks.BlockModel.restructured`): a model in memory in place; a
+    streamed one written into ``out`` block by block, one block resident, and opened from there
+    (its files those ``save_pretrained`` of the model pruned in memory writes), itself left as it
+    was. See the module docstring for ``loadable``."""
     blocks = as_blocks(model)
-    change, report, fields = _removal(blocks.family, model.config, len(blocks.blocks), heads, loadable)
-    pipeline.run(blocks, [Changing(change)])
-    for name, value in fields.items():  # every layer now has the same counts (the plan pads them): the config states them
-        setattr(model.config, name, value)
-    return report
-
-
-class Changing(pipeline.Step):
-    """A pass step that changes each block in place with ``change(index, block)``."""
-
-    def __init__(self, change):
-        self.change = change
-
-
-@torch.no_grad()
-def write_without_heads(blocks, heads: Iterable[Head], loadable: bool, out, progress: bool = False,
-                        source: str | None = None):
-    """:func:`remove_heads` for a streamed model (:class:`~fairprune.causal.streamed.StreamedModel`):
-    the pruned model written into ``out`` block by block, one block resident, and opened from
-    there (``(pruned, report)``); ``blocks`` itself is left as it was. Its files are those
-    ``save_pretrained`` of the model pruned in memory writes."""
     change, report, fields = _removal(blocks.family, blocks.config, len(blocks.blocks), heads, loadable)
-    config = copy.deepcopy(blocks.config)
-    for name, value in fields.items():
-        setattr(config, name, value)
-    return blocks.rewritten(out, change, config, progress, source), report
+    return blocks.restructured(change, fields, out, progress), report
+
+
+def remove_heads(model: nn.Module, heads: Iterable[Head], loadable: bool = True) -> HeadRemoval:
+    """Prune ``heads`` from ``model`` (in memory) in place (:func:`without_heads`)."""
+    return without_heads(model, heads, loadable)[1]
 
 
 def _removal(family: Family, config, layers: int, heads: Iterable[Head], loadable: bool):
@@ -390,15 +376,14 @@ def head_weight_norms(model) -> torch.Tensor:
     group = n_heads // n_kv
     norms = []
 
-    class Norms(pipeline.Step):
-        def change(self, index: int, block: nn.Module) -> None:  # reads only
-            weights = [linear_weight(layer).float() for layer in family.qkv_layers(block)]
-            q, k, v = weights if len(weights) == 3 else weights[0].split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim])
-            out = linear_weight(family.attention_out(block)).float()
-            sq = lambda w: w.pow(2).view(-1, head_dim, w.shape[-1]).sum((1, 2))  # noqa: E731 [heads]
-            kv = (sq(k) + sq(v)).repeat_interleave(group)
-            o = out.t().pow(2).reshape(n_heads, head_dim, -1).sum((1, 2))
-            norms.append((sq(q) + kv + o).sqrt().cpu())
+    def norm(index: int, block: nn.Module) -> None:  # reads only
+        weights = [linear_weight(layer).float() for layer in family.qkv_layers(block)]
+        q, k, v = weights if len(weights) == 3 else weights[0].split([n_heads * head_dim, n_kv * head_dim, n_kv * head_dim])
+        out = linear_weight(family.attention_out(block)).float()
+        sq = lambda w: w.pow(2).view(-1, head_dim, w.shape[-1]).sum((1, 2))  # noqa: E731 [heads]
+        kv = (sq(k) + sq(v)).repeat_interleave(group)
+        o = out.t().pow(2).reshape(n_heads, head_dim, -1).sum((1, 2))
+        norms.append((sq(q) + kv + o).sqrt().cpu())
 
-    pipeline.run(blocks, [Norms()])
+    pipeline.run(blocks, [pipeline.Each(change=norm)])
     return torch.stack(norms)

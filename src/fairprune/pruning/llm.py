@@ -1,6 +1,6 @@
 """Post-training pruning of causal LMs: magnitude, Wanda, SparseGPT and Debias-SparseGPT.
 
-:func:`prune_causal_lm` is the one entry point of every LM run (:func:`fairprune.pruning.lm_run.prune_run`,
+:func:`prune_causal_lm` is the one entry point of every LM run (:func:`fairprune.runs.lm.prune_run`,
 which the commands and the post-training callback run) and of the library. It
 validates the request, asks the family table where the prunable layers are, runs the shared
 layer-sequential calibration (except for magnitude, which needs no data) and reports the
@@ -26,80 +26,15 @@ from torch import nn
 from fairprune import distributed
 from fairprune.causal.blocks import as_blocks
 from fairprune.causal.experts import fused_experts
-from fairprune.causal.families import Family, family_of, linear_weight, set_linear_weight
-from fairprune.data.pairs import LMTexts
-from fairprune.data.text import bos_of, document_start
+from fairprune.causal.families import Family, family_of, linear_weight
 from fairprune.errors import UserError
 from fairprune.hub.checks import nonfinite
-from fairprune.metrics.bootstrap import lm_intervals, lm_paired
-from fairprune.metrics.language import LMItems
 from fairprune.pruning.calibration import PAIR_BATCH, modify, rank_inputs
 from fairprune.pruning.masks import Target, achieved_sparsity, sparsity_table
-from fairprune.pruning.modifiers import Modifier, from_flags
+from fairprune.pruning.modifiers import Modifier, from_flags, magnitude_solve, solve_layer  # noqa: F401 (the registry names magnitude_solve here)
 from fairprune.pruning.options import SolverOptions
 from fairprune.pruning.registry import Method
-from fairprune.pruning.select import magnitude, n_m, top_k
 from fairprune.pruning.sparsity import Sparsity
-
-
-def lm_report(result: dict, after: dict[str, float], items: LMItems, before: dict[str, float],
-              before_items: LMItems | None, *, calibration: dict, evaluation: dict, seconds: dict,
-              from_cache: bool = False, **extra: Any) -> dict[str, Any]:
-    """The report of one post-training run, whatever ran it (a command, in memory or streamed, or
-    the post-training callback): the method and sparsity facts of ``result``
-    (:func:`prune_causal_lm`'s), the pruned model's figures ``after`` with their intervals, the
-    dense model's ``before`` as the reference (with intervals, and the paired differences on the
-    same windows and pairs when ``before_items`` are at hand); ``extra`` keys added at the top."""
-    report: dict[str, Any] = {
-        "method": result["method"], **{k: v for k, v in extra.items() if k == "model"},
-        "family": result["family"], "target_sparsity": result["target_sparsity"],
-        "nm": result["nm"], "achieved_sparsity": result["achieved_sparsity"],
-        "sparsity": {"target": result["target_sparsity"], "nm": result["nm"], "achieved": result["achieved_sparsity"],
-                     "dense_zero_fraction": result["dense_zero_fraction"]},
-        "metrics": after, "reference": {"method": "dense", "metrics": before, "from_cache": from_cache},
-        "calibration": calibration, "evaluation": evaluation, "seconds": seconds,
-        **{k: v for k, v in extra.items() if k != "model"},
-    }
-    report["ci"] = lm_intervals(items)
-    if before_items is not None:
-        report["reference"]["ci"] = lm_intervals(before_items)
-        report["paired"] = {"baseline": "dense", **lm_paired(items, before_items)}
-    return report
-
-
-def calibration_facts(texts: LMTexts, nsamples: int, seqlen: int, paired: bool) -> dict[str, int]:
-    """What a run calibrated on: windows and their length, stereotype pairs, evaluation pairs."""
-    return {"nsamples": nsamples, "seqlen": seqlen, "pairs": len(texts.calib_pairs) if paired else 0,
-            "eval_pairs": len(texts.eval_pairs)}
-
-
-def evaluation_facts(ids: torch.Tensor, window: int, eval_tokens: int | None, eval_pairs: list, tokenizer=None) -> dict:
-    """What perplexity was measured on: the tokens scored (whole windows of ``ids``), the cap asked
-    for, the window, the number of stereotype pairs, and the token each paired sentence is scored
-    after (:func:`fairprune.data.text.document_start`: the plain document start, never a chat token)."""
-    bos = bos_of(tokenizer) if tokenizer is not None else None
-    span = window - 1 if bos is not None else window  # a BOS heads every window: the text fills the rest
-    facts = {"tokens": ids.numel() // span * span, "eval_tokens": eval_tokens, "window": window,
-             "pairs": len(eval_pairs)}
-    if tokenizer is not None:
-        facts["document_start"] = document_start(tokenizer)[0]
-        facts["bos"] = tokenizer.convert_ids_to_tokens(bos) if bos is not None else None
-    return facts
-
-
-def solve_layer(entry: Method, layer: nn.Module, stat, sparsity: Sparsity, settings: dict) -> None:
-    """Prune one layer in place from its statistic (None for a weights-only method): the value is
-    taken and the statistic let go before the solve, so its sums are gone when the solver's
-    buffers come (pass it straight from its container, holding no other reference). Collective
-    under ``torchrun``: every rank solved from the same reduced statistics; rank 0's result makes
-    them identical."""
-    if stat is None and entry.statistic is not None:  # an expert no calibration token reached
-        W = magnitude_solve(linear_weight(layer), None, sparsity)
-    else:
-        value = None if stat is None else stat.value()
-        stat = None
-        W = entry.select(linear_weight(layer), value, sparsity, **settings)
-    set_linear_weight(layer, distributed.broadcast(W.contiguous()))
 
 
 @dataclass(frozen=True)
@@ -158,14 +93,12 @@ def prune_with(model, modifiers: list[Modifier], calib_ids: torch.Tensor | None 
                batching: Batching = Batching()) -> dict:
     """:func:`prune_causal_lm` with the run's modifiers given (a recipe's, or the flags':
     :mod:`fairprune.pruning.modifiers`): one pruning method, optionally followed by ``quantize``."""
-    from fairprune.pruning.modifiers import Prune, Quantize
+    from fairprune.pruning.modifiers import Quantize
+    from fairprune.pruning.recipe import check_recipe
 
     start = time.perf_counter()
-    pruning = [m for m in modifiers if isinstance(m, Prune)]
-    if len(pruning) != 1 or not isinstance(modifiers[0], Prune) or any(not isinstance(m, Quantize) for m in modifiers[1:]):
-        raise UserError("a run applies one pruning method, optionally followed by quantize; got "
-                        f"{' then '.join(m.name for m in modifiers) or 'nothing'}")
-    prune, method, sparsity = pruning[0], pruning[0].name, pruning[0].sparsity
+    check_recipe(modifiers, "the run's modifiers")
+    prune, method, sparsity = modifiers[0], modifiers[0].name, modifiers[0].sparsity
     entry = prune.entry
     blocks = as_blocks(model)
     family = blocks.family
@@ -174,10 +107,13 @@ def prune_with(model, modifiers: list[Modifier], calib_ids: torch.Tensor | None 
     if moe and entry.paired and moe_calibrate != "all":
         raise UserError(f"{method} compares both sides of each pair inside the same expert, so it calibrates with every "
                         f"token through every expert: drop --moe_calibrate {moe_calibrate} (or give all)")
-    gptq = next((m for m in modifiers if isinstance(m, Quantize) and m.scheme.endswith("-gptq")), None)
+    gptq = next((m for m in modifiers if isinstance(m, Quantize) and m.calibrates), None)
     if gptq is not None and calib_ids is None and pairs is None:
         raise UserError(f"--quantize {gptq.scheme} compensates from the layer Hessian: it needs calibration data "
                         "(calib_ids), also for a method that prunes from the weights alone")
+    needing = next((m for m in modifiers[1:] if m.calibrates), None)
+    if needing is not None and calib_ids is None and pairs is None:
+        raise UserError(f"modifier {needing.name} collects from calibration data: pass calib_ids")
 
     def solved(index: int, block: nn.Module, layers: dict[str, nn.Module]) -> None:
         if writer is None:
@@ -190,7 +126,7 @@ def prune_with(model, modifiers: list[Modifier], calib_ids: torch.Tensor | None 
         planned = set(writer.missing())
         writer.write_many((name, t) for name, t in blocks.state_of(block) if name in planned)
 
-    calibrated = entry.statistic is not None or gptq is not None
+    calibrated = any(m.calibrates for m in modifiers)
     inputs = rank_inputs(calib_ids, pairs, batching.windows, batching.pairs) if calibrated else None  # this rank's share
     tokens = modify(blocks, inputs, device, modifiers, progress and distributed.is_main(), desc=method, after=solved,
                     moe_calibrate=moe_calibrate)
@@ -235,14 +171,6 @@ def sparsity_by_layer(model: nn.Module, family: Family) -> dict[str, float]:
     out = {row["layer"]: row["sparsity"] for row in sparsity_table(targets)}
     out["__total__"] = achieved_sparsity(targets)
     return out
-
-
-def magnitude_solve(W: torch.Tensor, _: None, sparsity: Sparsity, **__) -> torch.Tensor:
-    """Magnitude pruning of one layer: the lowest ``|W|``, ``floor(fraction·numel)`` layer-wide,
-    or N of every M consecutive input columns of each row."""
-    score = magnitude(W)
-    keep = n_m(score, *sparsity.nm) if sparsity.nm else top_k(score, W.numel() - int(W.numel() * sparsity.fraction))
-    return W.masked_fill(~keep, 0)
 
 
 def check_pattern_fits(model: nn.Module, sparsity: Sparsity) -> None:

@@ -25,12 +25,38 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
 from torch import nn
 
-from fairprune.causal.families import linear_weight
+from fairprune import distributed
+from fairprune.causal.families import linear_weight, set_linear_weight
 from fairprune.errors import UserError
 from fairprune.pruning.masks import Target, sparsity_table
+from fairprune.pruning.select import magnitude, n_m, top_k
 from fairprune.pruning.sparsity import Sparsity
+
+
+def solve_layer(entry: Any, layer: nn.Module, stat, sparsity: Sparsity, settings: dict) -> None:
+    """Prune one layer in place from its statistic (None for a weights-only method): the value is
+    taken and the statistic let go before the solve, so its sums are gone when the solver's
+    buffers come (pass it straight from its container, holding no other reference). Collective
+    under ``torchrun``: every rank solved from the same reduced statistics; rank 0's result makes
+    them identical."""
+    if stat is None and entry.statistic is not None:  # an expert no calibration token reached
+        W = magnitude_solve(linear_weight(layer), None, sparsity)
+    else:
+        value = None if stat is None else stat.value()
+        stat = None
+        W = entry.select(linear_weight(layer), value, sparsity, **settings)
+    set_linear_weight(layer, distributed.broadcast(W.contiguous()))
+
+
+def magnitude_solve(W: torch.Tensor, _: None, sparsity: Sparsity, **__) -> torch.Tensor:
+    """Magnitude pruning of one layer: the lowest ``|W|``, ``floor(fraction·numel)`` layer-wide,
+    or N of every M consecutive input columns of each row."""
+    score = magnitude(W)
+    keep = n_m(score, *sparsity.nm) if sparsity.nm else top_k(score, W.numel() - int(W.numel() * sparsity.fraction))
+    return W.masked_fill(~keep, 0)
 
 
 class Modifier:
@@ -40,6 +66,8 @@ class Modifier:
     name = "modifier"
     #: its statistic's value is the unit's Hessian: a later modifier needing one takes it
     hessian = False
+    #: it collects from calibration data (the run then needs calibration windows or pairs)
+    calibrates = False
 
     def begin(self, blocks) -> None:
         """Before the pass (and before the block model's writer opens): checks that refuse in one
@@ -72,6 +100,7 @@ class Prune(Modifier):
         self.name, self.sparsity = method, sparsity
         self.settings = dict(settings or {"blocksize": 128, "percdamp": 0.01})
         self.hessian = bool(self.entry.hessian)
+        self.calibrates = self.entry.statistic is not None
         self.before: list[dict[str, Any]] = []
         self.after: list[dict[str, Any]] = []
         self.seconds = 0.0
@@ -82,8 +111,6 @@ class Prune(Modifier):
         return self.entry.make_statistic(linear_weight(unit).shape[1], device=device)
 
     def apply(self, name, unit, stat):
-        from fairprune.pruning.llm import solve_layer
-
         self.before.extend(sparsity_table([Target(name, unit)]))
         tick = time.perf_counter()
         solve_layer(self.entry, unit, stat, self.sparsity, self.settings)
@@ -112,6 +139,7 @@ class Quantize(Modifier):
         if scheme not in BITS:
             raise UserError(f"quantize scheme {scheme!r} is not one of {', '.join(BITS)}")
         self.scheme, self.group_size = scheme, int(group_size)
+        self.calibrates = scheme.endswith("-gptq")  # GPTQ compensates from the Hessian
         self.settings = dict(settings or {"blocksize": 128, "percdamp": 0.01})
         self.plan = None
         self.blocks = None
@@ -149,11 +177,23 @@ class Quantize(Modifier):
         self.plan.solve(self.blocks.prefix(unit)[:-1], unit, stat, self.settings, save_dtype(self.blocks.dtype))
 
 
-#: The modifiers a recipe can name: the LM pruning methods and ``quantize``.
+#: Modifiers registered beside the pruning methods and ``quantize``: name -> ``build(options, settings)``.
+MODIFIERS: dict[str, Any] = {}
+
+
+def register_modifier(name: str, build) -> None:
+    """Make ``name`` a recipe entry: ``build(options, settings)`` returns the :class:`Modifier`
+    (``options``: the entry's mapping; ``settings``: the solver's block size and damping)."""
+    if name in modifier_names():
+        raise UserError(f"modifier {name!r} exists already; give the new one another name")
+    MODIFIERS[name] = build
+
+
 def modifier_names() -> list[str]:
+    """The modifiers a recipe can name: the LM pruning methods, ``quantize`` and the registered ones."""
     from fairprune.pruning import registry
 
-    return [*registry.names("lm"), "quantize"]
+    return [*registry.names("lm"), "quantize", *MODIFIERS]
 
 
 def make_modifier(name: str, options: dict[str, Any], settings: dict[str, Any]) -> Modifier:
@@ -169,6 +209,8 @@ def make_modifier(name: str, options: dict[str, Any], settings: dict[str, Any]) 
         return Quantize(str(options["scheme"]), int(options.get("group_size", 128)), settings)
     if name not in modifier_names():
         raise UserError(f"recipe: no modifier {name!r}{suggest(name, modifier_names())}; modifiers: {', '.join(modifier_names())}")
+    if name in MODIFIERS:
+        return MODIFIERS[name](dict(options), dict(settings))
     unknown = set(options) - {"sparsity"}
     if unknown or "sparsity" not in options:
         raise UserError(f"recipe: {name} takes sparsity (a fraction such as 0.5, or N:M such as 2:4); got "

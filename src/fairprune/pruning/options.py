@@ -3,7 +3,7 @@ library: one name, one default and one check per option wherever it is set.
 
 ``CalibrationOptions``: what a post-training LM run calibrates and measures with; ``TaskOptions``:
 its lm-eval pass (``--tasks``); ``LMOptions``: both, with the model, its texts and how the run is
-saved: what every LM run takes (:func:`fairprune.pruning.lm_run.prune_run`; ``prune.py``'s LM
+saved: what every LM run takes (:func:`fairprune.runs.lm.prune_run`; ``prune.py``'s LM
 commands take it as one group of flat options, the ``PostTrainingPruning`` callback builds it from
 its own ``calibration`` and ``lm_eval``). ``SolverOptions``: SparseGPT's solver. ``HeadOptions``:
 FASP and its baselines.

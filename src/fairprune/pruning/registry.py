@@ -171,7 +171,7 @@ _BUILTIN = (
 REGISTRY: dict[tuple[str, str], Method] = {m.key: m for m in _BUILTIN}
 #: prune.py's own subcommands (:func:`fairprune.cli.prune.commands`); every ``lm`` method is a
 #: subcommand of its own too, so an ``lm`` method may not take one of these names.
-SUBCOMMANDS = ("vision", "fasp", "diff-compare", "evaluate", "export", "compare")
+SUBCOMMANDS = ("vision", "recipe", "fasp", "diff-compare", "evaluate", "export", "compare")
 _plugins_loaded = False
 
 

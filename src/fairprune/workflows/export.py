@@ -351,18 +351,22 @@ def config_differences(ours: Any, back: Any) -> dict[str, tuple[Any, Any]]:
 def pruned_zeros(source: Any, loaded: Any) -> dict[str, Any]:
     """The exact zeros of the source's prunable block layers and how many of them are zero in the
     loaded-back model, at the same places."""
+    from fairprune.causal import pipeline
     from fairprune.causal.blocks import Resident
 
-    zeros = kept = total = 0
+    counts = {"zeros": 0, "kept": 0, "total": 0}
     ours, theirs = Resident(source), Resident(loaded)
-    for block, back_block in zip(ours.blocks, theirs.blocks):  # every unit the methods prune: experts too
-        back_units = theirs.family.block_units(back_block)
+
+    def compare(index: int, block) -> None:  # every unit the methods prune: experts too
+        back_units = theirs.family.block_units(theirs.blocks[index])
         for name, unit in ours.family.block_units(block).items():
             mask = unit.weight == 0
-            back = back_units[name].weight
-            zeros += int(mask.sum())
-            kept += int((back[mask] == 0).sum())
-            total += mask.numel()
+            counts["zeros"] += int(mask.sum())
+            counts["kept"] += int((back_units[name].weight[mask] == 0).sum())
+            counts["total"] += mask.numel()
+
+    pipeline.run(ours, [pipeline.Each(change=compare)])
+    zeros, kept, total = counts["zeros"], counts["kept"], counts["total"]
     return {"source": zeros, "kept": kept, "fraction_kept": kept / zeros if zeros else 1.0,
             "share": zeros / total if total else 0.0}
 

@@ -23,19 +23,19 @@ from typing import Any
 import pandas as pd
 
 from fairprune import distributed
+from fairprune.causal.blocks import SaveOptions
 from fairprune.data.files import read_calib_text, read_text
 from fairprune.data.prompts import read_prompts, split_prompts
 from fairprune.data.text import render_calib_text
 from fairprune.errors import UserError
 from fairprune.hub import load_tokenizer, resolve_device
-from fairprune.hub.checks import check_result
 from fairprune.pruning import registry
-from fairprune.pruning.lm_run import lm_tasks
 from fairprune.pruning.options import HeadOptions, LMOptions
-from fairprune.pruning.tasks import attach, task_specs
 from fairprune.reporting.compare import Statistics
 from fairprune.reporting.records import HeadRow
-from fairprune.reporting.runs import JOURNAL, RUN_FILES, write_head_files, write_head_run
+from fairprune.reporting.runs import JOURNAL, RUN_FILES, write_head_files
+from fairprune.runs.lm import lm_tasks
+from fairprune.runs.tasks import attach, task_specs
 from fairprune.storage.folders import check_free_space, replace_folder
 from fairprune.storage.lock import locked
 from fairprune.workflows.compare import Cell, Written, compare_folders, run_compare
@@ -64,7 +64,7 @@ def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alph
     saved; streamed (``--stream``) it is scored block by block and its pruned blocks are written
     into the run's staging folder as they lose their heads, and measured from there. ``specs``:
     lm-eval tasks scored on the model before and after (``--tasks``)."""
-    from fairprune.pruning.fasp import FaspSettings, run_fasp
+    from fairprune.runs.fasp import FaspSettings, run_fasp
 
     prompts = read_prompts(heads.prompts) if heads.prompts else None
     if prompts is not None:
@@ -75,41 +75,36 @@ def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alph
     check_free_space(output, blocks.saved_bytes(tokenizer))
     if shared.tasks is None:
         shared.tasks = lm_tasks(blocks, tokenizer, specs, lm, device, talk, dense=True)
-    if blocks.streamed:
-        blocks.device = device
-    else:
-        blocks.model.to(device)
+    blocks.run_on(device)
     scoring_text = render_calib_text(tokenizer, read_calib_text(lm.calib_text)) if lm.calib_text else None
     eval_text = read_text(lm.eval_text) if lm.eval_text else None
     config = {"method": method, **asdict(lm), **asdict(heads), "alpha": alpha}
 
     def run(out: Path | None):
+        """Score, select, remove (into ``out``, the staging folder, when streamed) and measure;
+        then the folder finished beside the weights. Collective under torchrun: rank 0 writes."""
         settings = FaspSettings(eval_text=eval_text, progress=talk, output=out, reference=shared.reference)
         result = run_fasp(blocks, tokenizer, prompts, scoring_text, method, replace(heads, alpha=alpha), output,
                           calibration=lm, settings=settings)
-        if blocks.streamed:  # every rank measured the pruned model from the staging folder before rank 0 moves it
-            distributed.barrier()
-        result.report.update(model=lm.model, stream=blocks.streamed)
+        distributed.barrier()  # every rank measured the pruned model (streamed: from the staging folder) before rank 0 moves it
+        result.report.update(model=lm.model, stream=blocks.how == "streamed")
         tasks = lm_tasks(result.pruned, tokenizer, specs, lm, device, talk, who=f"{method}: ")
         attach(result.report, tasks, shared.tasks)
         shared.reference = result.reference
-        if out is not None and blocks.streamed:  # the weights are in: the rest of the run beside them
+        result.pruned.save(out, tokenizer, SaveOptions(trust_remote_code=lm.trust_remote_code, progress=talk,
+                                                      method=method, output=str(output)))  # refused when not finite
+        if out is not None:
             write_head_files(out, tokenizer, result, config, None if tasks is None else tasks.items)
-        return result, tasks
+        return result
 
-    if blocks.streamed:  # scored block by block; the pruned blocks go into the staging folder as they are cut
-        shared.blocks = blocks  # left as it was: the next run of a compare takes it
+    if not blocks.holds_changes:  # left as it was (its heads went into the run's folder): the next run of a compare takes it
+        shared.blocks = blocks
+    if distributed.is_main():
         done: list = []
-        if distributed.is_main():
-            replace_folder(output, lambda out: done.append(run(out)), keep=JOURNAL, owned=RUN_FILES)
-        else:
-            done.append(run(None))
-        result = done[0][0]
+        replace_folder(output, lambda out: done.append(run(out)), keep=JOURNAL, owned=RUN_FILES)
+        result = done[0]
     else:
-        result, tasks = run(None)
-        check_result(blocks.model, output, method)  # on every rank: all stop together
-        if distributed.is_main():
-            write_head_run(output, blocks.model.cpu(), tokenizer, result, config, None if tasks is None else tasks.items)
+        result = run(None)
     distributed.barrier()
     return result.report
 

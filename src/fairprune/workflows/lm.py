@@ -8,13 +8,13 @@ C4 shards as a text file), ``--eval_text`` (WikiText-2's raw test split) and ``-
 The evaluation text is tokenized once per command (capped at ``--eval_tokens``) and the dense
 model's figures are obtained once: ``compare`` measures the dense model once for every method, and
 every command takes them from the project cache when an earlier run measured the same weights on
-the same texts with the same settings (:mod:`fairprune.pruning.dense`; ``--dense_cache false``
+the same texts with the same settings (:mod:`fairprune.runs.dense`; ``--dense_cache false``
 measures again). Reports split the time into ``load``, ``prune`` and ``evaluate``.
 
 The model is opened once as a block model (:mod:`fairprune.workflows.opened`): in memory, or with
 ``--stream`` read block by block from its safetensors files (``auto``: when it would not fit
 comfortably in memory). Everything after is the same pipeline for both: the dense figures and their
-cache, the run (:mod:`fairprune.pruning.lm_run`, the one the ``PostTrainingPruning`` callback runs
+cache, the run (:mod:`fairprune.runs.lm`, the one the ``PostTrainingPruning`` callback runs
 too), the compare loop and its table.
 
 Each command runs under ``torchrun`` too (``@_torchrun``): the process group is made once from the
@@ -44,14 +44,14 @@ from fairprune.metrics.bootstrap import lm_intervals, lm_paired
 from fairprune.metrics.harness import TaskItems, dto, task_intervals, task_paired
 from fairprune.metrics.language import LMItems
 from fairprune.pruning import registry
-from fairprune.pruning.dense import DenseFigures, finish_evaluation
-from fairprune.pruning.llm import check_pattern_fits, evaluation_facts
-from fairprune.pruning.lm_run import Pruned, Start, dense_of, memory_facts, prune_run
+from fairprune.pruning.llm import check_pattern_fits
 from fairprune.pruning.options import LMOptions, SolverOptions
 from fairprune.pruning.sparsity import Sparsity
-from fairprune.pruning.tasks import attach, task_specs
 from fairprune.reporting.compare import Statistics
 from fairprune.reporting.records import LMRow
+from fairprune.runs.dense import DenseFigures, finish_evaluation
+from fairprune.runs.lm import Pruned, Start, dense_of, evaluation_facts, memory_facts, prune_run
+from fairprune.runs.tasks import attach, task_specs
 from fairprune.storage.folders import check_free_space
 from fairprune.storage.lock import locked
 from fairprune.workflows.compare import Cell, Written, compare_folders, run_compare
@@ -104,11 +104,17 @@ def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm:
         solver: SparseGPT's settings.
         machine: threads and progress bars.
     """
-    start = time.perf_counter()
-    rss_start = peak_rss_bytes()
+    start, rss_start = time.perf_counter(), peak_rss_bytes()
     machine.apply()
     registry.get(method, "lm")
     sparsity = Sparsity.parse(nm or sparsity)  # a bad value fails before the model loads
+    config = _config(lm, machine, method=method, sparsity=str(sparsity), **asdict(solver))
+    return _prune(method, sparsity, lm, output, solver, machine, config, Start(0.0, rss_start), start)
+
+
+def _prune(method: str, sparsity: Sparsity, lm: LMOptions, output: str, solver: SolverOptions, machine: MachineOptions,
+           config: dict[str, Any], start_from: Start, start: float, modifiers: list | None = None) -> dict[str, Any]:
+    """Open, check, measure the dense model, then the run (:func:`fairprune.runs.lm.prune_run`)."""
     specs = task_specs(lm)  # --tasks / --task_data mistakes too
     texts, tokenizer, blocks, _ = _open(lm, machine)
     check_pattern_fits(blocks.model, sparsity)  # N:M against the layer widths, before the dense model is measured
@@ -116,9 +122,40 @@ def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm:
     check_free_space(output, blocks.saved_bytes(tokenizer))  # a full disk is found now, not after the work
     load_seconds = time.perf_counter() - start
     measuring = dense_of(blocks, tokenizer, texts, lm, machine.progress, specs)
-    config = _config(lm, machine, method=method, sparsity=str(sparsity), **asdict(solver))
-    return prune_run(blocks, method, sparsity, output, measuring, lm, solver, config, Start(load_seconds, rss_start),
-                     machine.progress)
+    return prune_run(blocks, method, sparsity, output, measuring, lm, solver, config,
+                     replace(start_from, load_seconds=load_seconds), machine.progress, modifiers=modifiers)
+
+
+@_torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
+@locked(lambda output, **_: output, reads=model_folder)
+def prune_recipe(recipe: str, lm: LMOptions, output: str, solver: SolverOptions = SolverOptions(),
+                 machine: MachineOptions = MachineOptions()) -> dict[str, Any]:
+    """Post-training run of a causal LM by a recipe: its modifiers (one pruning method, then
+    optionally quantize) applied block by block in order; the same folder and report as
+    ``prune.py <method> --sparsity S --quantize Q``.
+
+    Args:
+        recipe: YAML list of modifiers, e.g. [{sparsegpt: {sparsity: "2:4"}}, {quantize: {scheme: w4a16-gptq}}].
+        lm: the model and its texts (give quantization in the recipe, not --quantize).
+        output: folder for the pruned model and its report.
+        solver: SparseGPT's and GPTQ's settings.
+        machine: threads and progress bars.
+    """
+    from fairprune.pruning.modifiers import Quantize
+    from fairprune.pruning.recipe import read_recipe, recipe_of
+
+    start, rss_start = time.perf_counter(), peak_rss_bytes()
+    machine.apply()
+    if lm.quantize != "none":
+        raise UserError(f"--quantize {lm.quantize} with --recipe: give quantization as a recipe entry "
+                        "({quantize: {scheme: ...}}), once")
+    modifiers = read_recipe(recipe, {"blocksize": solver.blocksize, "percdamp": solver.percdamp})
+    quantize = next((m for m in modifiers if isinstance(m, Quantize)), None)
+    if quantize is not None:  # the run's options say what the recipe does: checks, config and report agree
+        lm = replace(lm, quantize=quantize.scheme, quant_group_size=quantize.group_size)
+    method, sparsity = modifiers[0].name, modifiers[0].sparsity
+    config = _config(lm, machine, method=method, sparsity=str(sparsity), recipe=recipe_of(modifiers), **asdict(solver))
+    return _prune(method, sparsity, lm, output, solver, machine, config, Start(0.0, rss_start), start, modifiers)
 
 
 @_torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone

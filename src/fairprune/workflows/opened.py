@@ -10,7 +10,7 @@ hub model, a converted GGUF) of a causal family can stream, and only with ``--sa
 dense``; ``auto`` runs anything else in memory.
 
 Everything after the opening is the one pipeline (:mod:`fairprune.workflows.lm`,
-:mod:`fairprune.pruning.lm_run`): the model is a block model (:mod:`fairprune.causal.blocks`),
+:mod:`fairprune.runs.lm`): the model is a block model (:mod:`fairprune.causal.blocks`),
 and which kind it is changes only how a part is loaded, saved and scored by lm-eval.
 """
 

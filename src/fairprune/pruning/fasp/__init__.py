@@ -15,16 +15,15 @@ The method in four steps, all in one process on one model:
 3. **Choose γ** (:func:`search_gamma`) on the validation prompts when it is not given: the γ
    with the lowest bias among those whose perplexity is within ``tolerance`` (relative) of the
    best baseline's perplexity.
-4. **Remove** the heads (:func:`~fairprune.pruning.heads.remove_heads`) and save the model (a
-   streamed model: :func:`~fairprune.pruning.heads.write_without_heads`, block by block).
+4. **Remove** the heads (:func:`~fairprune.pruning.heads.without_heads`: in place, or a streamed
+   model written block by block) and save the model.
 
-:func:`run_fasp` does all of it and returns a report.
+:func:`fairprune.runs.fasp.run_fasp` does all of it and returns a report.
 
-The package, one module per step (the public names are re-exported here, so
-``from fairprune.pruning.fasp import run_fasp`` works):
+The package, one module per step (the public names are re-exported here); every forward is a pass
+over a block model (:mod:`fairprune.causal.pipeline`), each block loaded once for all its batches
+(a model in memory or streamed from disk, one code path):
 
-- :mod:`~fairprune.pruning.fasp.passes`: every forward as a pass over a block model, each block
-  loaded once for all its batches (a model in memory or streamed from disk, one code path);
 - :mod:`~fairprune.pruning.fasp.scoring`: :class:`Evaluator`, bias and perplexity measurement,
   :func:`score_heads` with its resume and its shares under ``torchrun``;
 - :mod:`~fairprune.pruning.fasp.sampling`: generation settings and the one KV-cached sampling loop
@@ -35,7 +34,6 @@ The package, one module per step (the public names are re-exported here, so
   backpropagation split at the block boundaries;
 - :mod:`~fairprune.pruning.fasp.selection`: :func:`counts`, :func:`select_fasp`,
   :func:`select_heads` (baselines), :func:`search_gamma`;
-- :mod:`~fairprune.pruning.fasp.run`: :func:`run_fasp`.
 
 The plots (:func:`~fairprune.reporting.plots.plot_head_heatmap`,
 :func:`~fairprune.reporting.plots.plot_axis_correlation`) live with the other plots in
@@ -45,7 +43,6 @@ The plots (:func:`~fairprune.reporting.plots.plot_head_heatmap`,
 from __future__ import annotations
 
 from fairprune.pruning.fasp.gradient import gradient_importance
-from fairprune.pruning.fasp.run import FaspResult, FaspSettings, run_fasp
 from fairprune.pruning.fasp.scoring import (
     BASELINE,
     Evaluator,
@@ -70,6 +67,4 @@ __all__ = [
     "BASELINE", "Generation", "Evaluator", "generate_continuations", "measure_bias", "token_ids",
     "score_heads", "read_scores", "head_bias_impact", "head_bias_by_axis",
     "Selection", "counts", "select_fasp", "select_heads", "gradient_importance", "search_gamma",
-    "FaspResult", "FaspSettings",
-    "run_fasp",
 ]

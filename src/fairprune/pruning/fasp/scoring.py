@@ -69,7 +69,7 @@ class Evaluator:
     """Perplexity and per-axis bias of the model as it stands (gates included).
 
     ``model``: an ``nn.Module`` or a block model (:mod:`fairprune.causal.blocks`): every forward
-    is a pass over its blocks (:mod:`~fairprune.pruning.fasp.passes`), so a streamed model is
+    is a pass over its blocks (:mod:`~fairprune.causal.pipeline`), so a streamed model is
     measured with one block resident, with the figures of the model in memory. ``device``: where
     it runs (None: a model in memory where it is, a streamed one on its ``device``); ``progress``:
     bars over a streamed model's blocks, one per pass."""
@@ -92,7 +92,7 @@ class Evaluator:
 
     def _where(self) -> tuple[torch.device, bool]:
         """The device the passes run on, and whether they show bars."""
-        return torch.device(self.device or self.blocks.run_device()), self.progress and self.blocks.streamed
+        return torch.device(self.device or self.blocks.run_device()), self.progress and self.blocks.reads_files
 
     def __call__(self) -> dict:
         blocks, (device, bars) = self.blocks, self._where()

@@ -43,18 +43,64 @@ from fairprune.causal.blocks import SaveOptions
 from fairprune.causal.written import check_written, measure_written
 from fairprune.causal.written import summary as written_summary
 from fairprune.data.pairs import LMTexts
-from fairprune.data.text import calibration_ids, paired_ids
+from fairprune.data.text import bos_of, calibration_ids, document_start, paired_ids
 from fairprune.hub import resolve_device
 from fairprune.hub.compressed import dtype_name, megabytes, weights_summary
-from fairprune.metrics.language import eval_ids, measure_lm_items
+from fairprune.metrics.bootstrap import lm_intervals, lm_paired
+from fairprune.metrics.language import LMItems, eval_ids, measure_lm_items
 from fairprune.pruning import registry
-from fairprune.pruning.dense import DenseFigures, dense_figures, pruned_line
-from fairprune.pruning.llm import calibration_facts, evaluation_facts, lm_report, prune_with
+from fairprune.pruning.llm import prune_with
 from fairprune.pruning.options import LMOptions, SolverOptions
 from fairprune.pruning.sparsity import Sparsity
-from fairprune.pruning.tasks import attach, measure_tasks
 from fairprune.reporting.runs import RUN_FILES, write_run_files
+from fairprune.runs.dense import DenseFigures, dense_figures, pruned_line
+from fairprune.runs.tasks import attach, measure_tasks
 from fairprune.storage.folders import replace_folder
+
+
+def lm_report(result: dict, after: dict[str, float], items: LMItems, before: dict[str, float],
+              before_items: LMItems | None, *, calibration: dict, evaluation: dict, seconds: dict,
+              from_cache: bool = False, **extra: Any) -> dict[str, Any]:
+    """The report of one post-training run, whatever ran it (a command, in memory or streamed, or
+    the post-training callback): the method and sparsity facts of ``result``
+    (:func:`prune_causal_lm`'s), the pruned model's figures ``after`` with their intervals, the
+    dense model's ``before`` as the reference (with intervals, and the paired differences on the
+    same windows and pairs when ``before_items`` are at hand); ``extra`` keys added at the top."""
+    report: dict[str, Any] = {
+        "method": result["method"], **{k: v for k, v in extra.items() if k == "model"},
+        "family": result["family"], "target_sparsity": result["target_sparsity"],
+        "nm": result["nm"], "achieved_sparsity": result["achieved_sparsity"],
+        "sparsity": {"target": result["target_sparsity"], "nm": result["nm"], "achieved": result["achieved_sparsity"],
+                     "dense_zero_fraction": result["dense_zero_fraction"]},
+        "metrics": after, "reference": {"method": "dense", "metrics": before, "from_cache": from_cache},
+        "calibration": calibration, "evaluation": evaluation, "seconds": seconds,
+        **{k: v for k, v in extra.items() if k != "model"},
+    }
+    report["ci"] = lm_intervals(items)
+    if before_items is not None:
+        report["reference"]["ci"] = lm_intervals(before_items)
+        report["paired"] = {"baseline": "dense", **lm_paired(items, before_items)}
+    return report
+
+
+def calibration_facts(texts: LMTexts, nsamples: int, seqlen: int, paired: bool) -> dict[str, int]:
+    """What a run calibrated on: windows and their length, stereotype pairs, evaluation pairs."""
+    return {"nsamples": nsamples, "seqlen": seqlen, "pairs": len(texts.calib_pairs) if paired else 0,
+            "eval_pairs": len(texts.eval_pairs)}
+
+
+def evaluation_facts(ids: torch.Tensor, window: int, eval_tokens: int | None, eval_pairs: list, tokenizer=None) -> dict:
+    """What perplexity was measured on: the tokens scored (whole windows of ``ids``), the cap asked
+    for, the window, the number of stereotype pairs, and the token each paired sentence is scored
+    after (:func:`fairprune.data.text.document_start`: the plain document start, never a chat token)."""
+    bos = bos_of(tokenizer) if tokenizer is not None else None
+    span = window - 1 if bos is not None else window  # a BOS heads every window: the text fills the rest
+    facts = {"tokens": ids.numel() // span * span, "eval_tokens": eval_tokens, "window": window,
+             "pairs": len(eval_pairs)}
+    if tokenizer is not None:
+        facts["document_start"] = document_start(tokenizer)[0]
+        facts["bos"] = tokenizer.convert_ids_to_tokens(bos) if bos is not None else None
+    return facts
 
 
 @dataclass(frozen=True)
@@ -140,7 +186,7 @@ def prune_run(blocks, method: str, sparsity: Sparsity, output: str | Path, measu
     recipe's; None: those the flags name, ``method`` at ``sparsity`` then ``--quantize``).
     ``record``: a list the run appends its :class:`Pruned` record to (a compare's quantized row
     takes it)."""
-    from fairprune.pruning.modifiers import Quantize, from_flags
+    from fairprune.pruning.modifiers import from_flags
 
     start = time.perf_counter()
     entry = registry.get(method, "lm")
@@ -150,9 +196,7 @@ def prune_run(blocks, method: str, sparsity: Sparsity, output: str | Path, measu
     settings = {"blocksize": solver.blocksize, "percdamp": solver.percdamp}
     if modifiers is None:
         modifiers = from_flags(method, sparsity, lm.quantize, lm.quant_group_size, settings)
-    quantize = next((m for m in modifiers if isinstance(m, Quantize)), None)
-    gptq = quantize is not None and quantize.scheme.endswith("-gptq")  # GPTQ calibrates every method
-    calibrates, reuse = entry.uses_data or gptq, start_from.reuse
+    calibrates, reuse = entry.uses_data or any(m.calibrates for m in modifiers), start_from.reuse  # GPTQ: every method
     for modifier in modifiers:  # before the writer opens: a quantized model's writer stores its scales
         modifier.begin(blocks)
     calib = (calibration_ids(tokenizer, texts.calib_text, lm.nsamples, lm.seqlen, lm.seed)

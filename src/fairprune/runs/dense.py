@@ -157,7 +157,7 @@ def dense_figures(model, tokenizer, eval_ids: torch.Tensor, eval_pairs: list, wi
     ``use_cache`` False measures without reading or writing the cache."""
     blocks = as_blocks(model)
     key = cache_key(blocks, tokenizer, eval_ids, eval_pairs, window, eval_tokens, device) if use_cache else None
-    how = "" if blocks.holds_changes else f", {blocks.how}"
+    how = ", streamed" if blocks.reads_files else ""
     return cached_figures(key, lambda: measure_lm_items(blocks, tokenizer, eval_ids, eval_pairs, window, device, progress=progress),
                           progress, how=how)
 

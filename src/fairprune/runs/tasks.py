@@ -52,7 +52,7 @@ def task_specs(lm) -> list[TaskSpec] | None:
 
 
 def _cache_path(key: dict[str, Any]) -> Path:
-    from fairprune.pruning.dense import cache_path
+    from fairprune.runs.dense import cache_path
 
     return cache_path(key, "tasks")
 
@@ -61,7 +61,7 @@ def _key(blocks, specs: list[TaskSpec], lm, device) -> dict[str, Any]:
     import torch
 
     from fairprune.metrics.harness import _lm_eval_version
-    from fairprune.pruning.dense import library_versions, weights_digest
+    from fairprune.runs.dense import library_versions, weights_digest
 
     return {"version": TASK_CACHE_VERSION, "fairprune": fairprune.__version__, "lm_eval": _lm_eval_version(),
             "model": weights_digest(blocks), "tasks": [[s.name, s.scoring, s.data and file_sha256(s.data)] for s in specs],
@@ -92,14 +92,12 @@ def measure_tasks(model, tokenizer, specs: list[TaskSpec] | None, lm, device, pr
             facts = task_facts(specs, items, lm.limit, lm.num_fewshot)
             return TaskResults(task_figures(items), items, facts, 0.0, from_cache=True)
     if progress:
-        how = " (streamed: each part read from the files as the forward reaches it)" if blocks.streamed else ""
+        how = " (streamed: each part read from the files as the forward reaches it)" if blocks.reads_files else ""
         print(f"[tasks] {who}lm-eval{how}: {', '.join(s.name for s in specs)} ...", flush=True)
     with blocks.runnable(device) as runnable:
         results = run_tasks(runnable, tokenizer, specs, limit=lm.limit, num_fewshot=lm.num_fewshot, device=device,
-                            progress=progress, seed=lm.seed, streamed=blocks.streamed)
-    if blocks.streamed:
-        results.facts["streamed"] = {"how": "one part resident, read from the model's files as the forward reaches it",
-                                     "largest_part_bytes": blocks.facts()["largest_part_bytes"]}
+                            progress=progress, seed=lm.seed, streamed=blocks.reads_files)
+    results.facts.update(blocks.pass_facts())
     for line in letter_warnings(results.facts, who.strip() or str(lm.model)):
         print(line, file=sys.stderr, flush=True)
     if key is not None:
