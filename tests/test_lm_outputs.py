@@ -88,7 +88,7 @@ def _prune(lm_folder, method: str, sparsity: str, out: Path, model: Path | None 
 def _spy_on_work(monkeypatch) -> list[str]:
     """Record (and still run) the first step of the work: the dense measurement of the LM commands,
     the head scoring run of fasp."""
-    import fairprune.pruning.fasp as fasp_package
+    import fairprune.runs.fasp as fasp_package
     import fairprune.workflows.lm as lm_workflow
 
     calls: list[str] = []

@@ -253,9 +253,9 @@ def test_each_rank_works_on_its_shard(monkeypatch, one_thread):
     calib = torch.randint(0, VOCAB, (5, 8))
     pairs = (torch.randint(0, VOCAB, (3, 6)), torch.randint(0, VOCAB, (3, 6)), torch.ones(3, 6, dtype=torch.bool))
     seen = []
-    run_layerwise = llm.run_layerwise
-    monkeypatch.setattr(llm, "run_layerwise", lambda model, inputs, *a, **k:
-                        seen.extend(inputs or []) or run_layerwise(model, inputs, *a, **k))
+    modify = llm.modify
+    monkeypatch.setattr(llm, "modify", lambda model, inputs, *a, **k:
+                        seen.extend(inputs or []) or modify(model, inputs, *a, **k))
     # each sentence's token ids (the tokenizer left out); a3 and b3 are one sentence: a tie
     sentence_ids = {s: [k % VOCAB, (3 * k + 1) % VOCAB, (7 * k + 2) % VOCAB] for k, s in enumerate(
         ["a0", "b0", "a1", "b1", "a2", "b2", "a3"])}

@@ -69,7 +69,7 @@ class StreamedModel(BlockModel):
         source = source or str(folder)  # the name the user gave, for messages
         self.reader = open_reader(self.folder)  # a pack-quantized folder: its layers read decompressed
         self.dtype = dtype or torch.float32
-        self.trust_remote_code = trust_remote_code
+        self.trust_remote_code, self._restructured = trust_remote_code, False  # True: written by restructured()
         try:
             config = AutoConfig.from_pretrained(self.folder, trust_remote_code=trust_remote_code)
             if isinstance(self.reader, QuantizedReader) and hasattr(config, "quantization_config"):
@@ -278,7 +278,7 @@ class StreamedModel(BlockModel):
         from fairprune.hub.compressed import dense_facts
 
         weights = None
-        if self._writer is None:  # restructured into its own folder: only the tokenizer is missing
+        if self._restructured:  # its files are in its own folder already: only the tokenizer is missing
             if out is not None:
                 tokenizer.save_pretrained(out)
                 weights = dense_facts(out, self.weight_bytes(), self.dtype)
@@ -333,16 +333,16 @@ class StreamedModel(BlockModel):
                 writer.abort()
             self.write_model_files(Path(out), config=config)
         folder = Path(broadcast_text(None if out is None else str(out)))
-        return StreamedModel(folder, self.dtype, self.trust_remote_code, source=str(folder), device=self._device)
+        changed = StreamedModel(folder, self.dtype, self.trust_remote_code, source=str(folder), device=self._device)
+        changed._restructured = True
+        return changed
 
     def _state(self, block: nn.Module, changed: nn.Module) -> dict[str, torch.Tensor]:
         """The state-dict entries of ``changed`` (a copy of ``block``) under ``block``'s full names."""
-        state = dict(changed.state_dict(prefix=self.prefix(block)))
-        if self._sources:
-            from fairprune.hub.conversion import to_checkpoint
+        from fairprune.hub.conversion import to_checkpoint
 
-            state = to_checkpoint(self.model, state)
-        return state
+        state = dict(changed.state_dict(prefix=self.prefix(block)))
+        return to_checkpoint(self.model, state) if self._sources else state
 
     def facts(self) -> dict[str, int]:
         """A report's ``memory`` sizes: the model's, its largest block's, the largest part resident."""

@@ -132,8 +132,9 @@ def run_fasp(
     with _timed(seconds, "evaluation"), distributed.local():
         pruned = replace(run.on_test, model=kept)()
     seconds["total"] = time.perf_counter() - start
-    report = _report(blocks, method, gamma, heads.alpha, run.axes, gates, selection, removal, size, scorer_name(run.scorer),
-                     pruned, reference, search, seconds)
+    report = {"method": method, "model": getattr(blocks.config, "name_or_path", "") or blocks.config.model_type, "gamma": gamma,
+              "alpha": heads.alpha, "axes": run.axes, "heads_total": gates.values.numel(), **_report(selection, removal, size,
+              scorer_name(run.scorer), pruned, reference), "gamma_search": search, "seconds": seconds}
     _intervals(report, pruned, reference, run.test_prompts, settings.subgroup)
     impact = None if scores is None else head_bias_impact(scores, run.axes)
     by_axis = head_bias_by_axis(scores) if scores is not None and (len(run.axes) > 1 or run.prompts.axis.nunique() > 1) else None
@@ -202,17 +203,14 @@ def _remove(blocks, removed, ppl_ids, seqlen: int, settings: FaspSettings):
     return kept, removal, size
 
 
-def _report(blocks, method, gamma, alpha, axes, gates, selection, removal, size, scorer, pruned, reference, search,
-            seconds) -> dict[str, Any]:
+def _report(selection, removal, size, scorer: str, pruned: dict, reference: dict) -> dict[str, Any]:
+    """The report's heads, removal, size, scorer and the pruned and dense figures."""
     return {
-        "method": method, "model": getattr(blocks.config, "name_or_path", "") or blocks.config.model_type,
-        "gamma": gamma, "alpha": alpha, "axes": axes, "heads_total": gates.values.numel(),
         "heads_removed": [list(h) for h in selection.removed], "protected": [list(h) for h in selection.protected],
         "removal": removal.as_dict(), "size": size, "scorer": scorer,
         "metrics": {"perplexity": pruned["perplexity"]}, "fairness": {"bias": pruned["bias"]},
         "reference": {"method": "dense", "metrics": {"perplexity": reference["perplexity"]},
                       "fairness": {"bias": reference["bias"]}},
-        "gamma_search": search, "seconds": seconds,
     }
 
 

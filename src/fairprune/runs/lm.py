@@ -140,6 +140,8 @@ class Start:
     rss_start: int = 0
     shared_dense: bool = False
     reuse: Pruned | None = None
+    modifiers: list | None = None  # the run's modifiers (a recipe's); None: those the flags name
+    record: list | None = None  # a list the run appends its Pruned record to (a compare's quantized row takes it)
 
 
 def lm_tasks(blocks, tokenizer, specs, lm: LMOptions, device, progress: bool, *, dense: bool = False,
@@ -177,15 +179,14 @@ def memory_facts(blocks, start_bytes: int) -> dict[str, Any]:
 
 def prune_run(blocks, method: str, sparsity: Sparsity, output: str | Path, measuring: Measuring, lm: LMOptions,
               solver: SolverOptions, config: dict[str, Any], start_from: Start = Start(),
-              progress: bool = True, modifiers: list | None = None, record: list | None = None) -> dict[str, Any]:
+              progress: bool = True) -> dict[str, Any]:
     """Prune ``blocks`` (in place, or block by block into ``output``) with ``method`` at
     ``sparsity``, measure, save and report (see the module docstring); ``config`` is written as the
     run's ``config.yaml``. ``measuring``: the texts, the evaluation ids and the dense model's
     figures, every run's reference (:func:`dense_of`). ``start_from``: what the run counts from
-    (:class:`Start`) and the prune it reuses, if any. ``modifiers``: the run's modifiers (a
-    recipe's; None: those the flags name, ``method`` at ``sparsity`` then ``--quantize``).
-    ``record``: a list the run appends its :class:`Pruned` record to (a compare's quantized row
-    takes it)."""
+    (:class:`Start`), the prune it reuses, if any, the run's modifiers (a recipe's; None: those the
+    flags name, ``method`` at ``sparsity`` then ``--quantize``) and where its :class:`Pruned`
+    record goes."""
     from fairprune.pruning.modifiers import from_flags
 
     start = time.perf_counter()
@@ -194,8 +195,7 @@ def prune_run(blocks, method: str, sparsity: Sparsity, output: str | Path, measu
     device = resolve_device(lm.device)
     texts, tokenizer, ids, dense = measuring.texts, measuring.tokenizer, measuring.ids, measuring.dense
     settings = {"blocksize": solver.blocksize, "percdamp": solver.percdamp}
-    if modifiers is None:
-        modifiers = from_flags(method, sparsity, lm.quantize, lm.quant_group_size, settings)
+    modifiers = start_from.modifiers or from_flags(method, sparsity, lm.quantize, lm.quant_group_size, settings)
     calibrates, reuse = entry.uses_data or any(m.calibrates for m in modifiers), start_from.reuse  # GPTQ: every method
     for modifier in modifiers:  # before the writer opens: a quantized model's writer stores its scales
         modifier.begin(blocks)
@@ -214,8 +214,8 @@ def prune_run(blocks, method: str, sparsity: Sparsity, output: str | Path, measu
         try:
             if reuse is None:
                 result = prune_with(blocks, modifiers, calib, pairs, device, solver.moe_calibrate, talk, writer)
-                if record is not None:
-                    record.append(Pruned(method, str(sparsity), result, Path(output)))
+                if start_from.record is not None:
+                    start_from.record.append(Pruned(method, str(sparsity), result, Path(output)))
             else:
                 result = {**reuse.result, "seconds": {**reuse.result["seconds"], "solve": 0.0}}
             saving = SaveOptions(save_format=lm.save_format, nm=sparsity.nm, trust_remote_code=lm.trust_remote_code,

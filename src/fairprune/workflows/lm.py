@@ -123,7 +123,7 @@ def _prune(method: str, sparsity: Sparsity, lm: LMOptions, output: str, solver: 
     load_seconds = time.perf_counter() - start
     measuring = dense_of(blocks, tokenizer, texts, lm, machine.progress, specs)
     return prune_run(blocks, method, sparsity, output, measuring, lm, solver, config,
-                     replace(start_from, load_seconds=load_seconds), machine.progress, modifiers=modifiers)
+                     replace(start_from, load_seconds=load_seconds, modifiers=modifiers), machine.progress)
 
 
 @_torchrun  # outermost: the lock is taken inside the process group, by its rank 0 alone
@@ -297,8 +297,8 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
         blocks = opened.pop()
         record: list = []
         report = prune_run(blocks, method, s, cell.folder, measuring, run_lm, solver, config,
-                           Start(load_seconds, peak_rss_bytes(), shared_dense=True, reuse=reuse), machine.progress,
-                           record=record)
+                           Start(load_seconds, peak_rss_bytes(), shared_dense=True, reuse=reuse, record=record),
+                           machine.progress)
         if quantize == "none" and blocks.holds_changes:  # in memory: the pruned model, for the quantized row
             kept.append((blocks, record[0]))
         return report
