@@ -316,6 +316,7 @@ def test_a_resumed_pruning_run_keeps_metrics_shares_and_seconds(dense_ckpt, tmp_
     assert len(report["steps"]) == 3
 
 
+@pytest.mark.slow  # about 40 s; make test keeps test_signals' compare resume and test_faults_probe4's LM reuse
 def test_a_compare_run_again_reuses_finished_cells_and_resumes_the_cut_one(dense_ckpt, tmp_path, monkeypatch, capsys):
     """A compare killed in its second cell: run again with the same settings it keeps the finished
     cell (its files untouched), resumes the cut one from its last checkpoint and writes the whole

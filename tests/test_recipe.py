@@ -60,7 +60,7 @@ def run(llama: Path, output: Path, *args: str) -> int:
                  *COMMON])
 
 
-@pytest.mark.parametrize("stream", ["false", "true"])
+@pytest.mark.parametrize("stream", ["false", pytest.param("true", marks=pytest.mark.slow)])
 def test_a_recipe_of_two_modifiers_equals_the_flags(llama, tmp_path, stream):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("- sparsegpt:\n    sparsity: '2:4'\n- quantize:\n    scheme: w4a16-gptq\n    group_size: 64\n")

@@ -14,6 +14,11 @@ from fairprune.workflows.reference import outgrown
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# Trains a dense model and prunes it three times with retraining (about 2 min): run by make test-slow;
+# the continued reference itself is exercised in make test by test_compare_report, test_pruning_callback and
+# test_signals.
+pytestmark = pytest.mark.slow
+
 # A dense model trained for one batch is far from convergence: three epochs of retraining lift the
 # pruned model well above it (race, which shows in the skin tone, is quick to learn).
 PRUNE = ["--pruning.method", "magnitude", "--pruning.target_sparsity", "0.3", "--pruning.keep_per_iter", "0.7",
