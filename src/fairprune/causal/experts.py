@@ -220,4 +220,4 @@ def refuse_quantize(blocks, quantize: str) -> None:
     if found is not None:
         raise UserError(f"--quantize {quantize} writes linear layers as compressed-tensors pack-quantized, and "
                         f"{blocks.source}'s experts are fused 3-D parameters ({found}) that format does not hold: a "
-                        "mixture-of-experts model is pruned and written in float here; drop --quantize")
+                        "mixture-of-experts model is pruned and written in float here; drop --quantize (or the recipe's quantize entry)")
