@@ -1,21 +1,22 @@
-"""Layer-sequential calibration for post-training pruning of transformer LMs.
+"""The modifiers' part in the block pass: layer-sequential calibration and change of a causal LM.
 
-The loop that SparseGPT, Debias-SparseGPT and Wanda share:
+:func:`modify` applies a run's modifiers (:mod:`fairprune.pruning.modifiers`: a pruning method,
+GPTQ, one's own) in one pass over the blocks (:func:`fairprune.causal.pipeline.run`):
 
-1. run the model's own forward with every block a stub and keep what block 0 receives (the
+1. capture: the model's own forward with every block a stub keeps what block 0 receives (the
    hidden states) and the positional and keyword arguments *each* block is called with
    (attention mask, rotary position embeddings, ...): layers may differ (Gemma alternates
    sliding-window and global attention, each with its own mask and rotary tables);
-2. for each block: load it (:meth:`~fairprune.causal.blocks.Resident.loaded`), hook its
-   prunable layers to accumulate statistics, run every calibration batch through it, prune each
-   layer from its statistics, then run the batches through the *pruned* block to get the next
-   block's inputs, and let it go.
+2. for each block, loaded for its turn: **calibrate** (:class:`Modifying`: each modifier's
+   statistics for each unit, fed by hooks while every calibration batch runs through the block),
+   **change** (each modifier changes each unit in order), **emit** (the batches run through the
+   *changed* block to give the next block's inputs; a streamed run writes the block).
 
 The model is a block model (:mod:`fairprune.causal.blocks`): in memory, loading moves a block to
 the compute device and back, so only the embedding front and one block are on the device at a
 time; streamed from disk, loading reads the block's weights, so only one block is in memory. Statistics objects add one term per
 batch and reduce themselves across processes (see ``sparsegpt.Hessian.value``): under
-``torchrun`` each rank runs this loop on its share of the batches (``llm.prune_causal_lm`` deals
+``torchrun`` each rank runs this pass on its share of the batches (``llm.prune_with`` deals
 them out whole) and the layers are pruned from the statistics of all ranks, which sum every
 batch's term exactly, so the result does not depend on the number of ranks.
 
@@ -151,7 +152,6 @@ class Modifying(pipeline.Step):
             group = self.stats.pop(name, None)
             for position, modifier in enumerate(self.modifiers):
                 modifier.apply(name, unit, None if group is None else group.stats[position])
-            group = None
         self.stats = {}
 
     def emit(self, index: int, block: nn.Module) -> None:
