@@ -133,9 +133,14 @@ class Modifying(pipeline.Step):
         self.collects, self.moe_calibrate, self.after = calibrated, moe_calibrate, after
         self.tokens: dict[str, dict[str, list[int]]] = {"routed": {}, "calibrated": {}}
         self.stats: dict[str, Statistics | None] = {}
+        self._units: tuple[int, dict[str, nn.Module]] = (-1, {})
 
     def units(self, index: int, block: nn.Module) -> dict[str, nn.Module]:
-        return {f"{index}.{name}": unit for name, unit in self.blocks.family.block_units(block).items()}
+        """The block's units by ``"<block>.<path>"``, found once per block (calibrate, change and
+        emit ask for them)."""
+        if self._units[0] != index:
+            self._units = (index, {f"{index}.{name}": unit for name, unit in self.blocks.family.block_units(block).items()})
+        return self._units[1]
 
     @contextlib.contextmanager
     def calibrate(self, index: int, block: nn.Module) -> Iterator[Callable[[Batch], None]]:

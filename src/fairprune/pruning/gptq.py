@@ -3,7 +3,7 @@
 ``--quantize w4a16-gptq`` (or ``w8a16-gptq``) quantizes each prunable layer right after it is
 pruned, inside the layer-by-layer pass, from the same Hessian ``H = 2/n Σ XXᵀ`` SparseGPT solves
 with (Debias-SparseGPT: its paired Hessian; Wanda and magnitude: a plain Hessian collected beside
-their own statistic, :class:`WithHessian`). The later blocks are then calibrated on the outputs of
+their own statistic; :class:`fairprune.pruning.modifiers.Quantize`). The later blocks are then calibrated on the outputs of
 the quantized ones, as GPTQ does (Frantar et al., 2023).
 
 The update is SparseGPT's with rounding in place of masking: columns in blocks, each column
@@ -30,32 +30,7 @@ from torch import nn
 
 from fairprune import distributed
 from fairprune.causal.families import linear_weight, set_linear_weight
-from fairprune.pruning.sparsegpt import Hessian, inverse_hessian_cholesky
-
-
-class WithHessian:
-    """A method's own calibration statistic (None: the method has none) and a plain Hessian beside
-    it, fed the same inputs: :meth:`value` is the method's, :meth:`hessian` the Hessian GPTQ uses."""
-
-    def __init__(self, own: Any, columns: int, device=None):
-        self.own, self.plain = own, Hessian(columns, device)
-
-    def add_batch(self, x: torch.Tensor, mask: torch.Tensor | None = None) -> None:
-        if self.own is not None:
-            self.own.add_batch(x, mask)
-        self.plain.add_batch(x, mask)
-
-    def value(self) -> Any:
-        return None if self.own is None else self.own.value()
-
-    def hessian(self) -> torch.Tensor:
-        return self.plain.value()
-
-
-def hessian_of(stat: Any) -> torch.Tensor:
-    """The Hessian GPTQ compensates with: a :class:`WithHessian`'s own, else the method's statistic
-    (SparseGPT's, Debias-SparseGPT's), whose value is a Hessian."""
-    return stat.hessian() if isinstance(stat, WithHessian) else stat.value()
+from fairprune.pruning.sparsegpt import inverse_hessian_cholesky
 
 
 def column_args(args: Any) -> Any:
@@ -123,16 +98,11 @@ class LayerQuantizer:
         self.args = weight_args(self.bits, group)
         self.scales: dict[str, torch.Tensor] = {}
 
-    def statistic(self, own: Any, columns: int, hessian: bool, device=None) -> Any:
-        """The layer's statistic for this plan: the method's own when it is a Hessian (``hessian``)
-        or no GPTQ is asked; else the method's with a Hessian beside it."""
-        return own if hessian or not self.gptq else WithHessian(own, columns, device)
-
     def solve(self, name: str, layer: nn.Module, stat: Any, settings: dict[str, Any], scale_dtype: torch.dtype) -> None:
         """GPTQ of one pruned layer in place (``name``: its full module name); collective under
         torchrun, as the prune solve: every rank solved from the same reduced Hessian, rank 0's result
         makes them identical."""
-        W, scales = gptq_quantize(linear_weight(layer), hessian_of(stat), self.args, scale_dtype,
+        W, scales = gptq_quantize(linear_weight(layer), stat.value(), self.args, scale_dtype,
                                   settings.get("blocksize", 128), settings.get("percdamp", 0.01))
         set_linear_weight(layer, distributed.broadcast(W.contiguous()))
         self.scales[name] = distributed.broadcast(scales.contiguous()).cpu()

@@ -134,12 +134,12 @@ class Quantize(Modifier):
     name = "quantize"
 
     def __init__(self, scheme: str, group_size: int = 128, settings: dict[str, Any] | None = None):
-        from fairprune.hub.quantized import BITS
+        from fairprune.hub.quantized import BITS, is_gptq
 
         if scheme not in BITS:
             raise UserError(f"quantize scheme {scheme!r} is not one of {', '.join(BITS)}")
         self.scheme, self.group_size = scheme, int(group_size)
-        self.calibrates = scheme.endswith("-gptq")  # GPTQ compensates from the Hessian
+        self.calibrates = is_gptq(scheme)  # GPTQ compensates from the Hessian
         self.settings = dict(settings or {"blocksize": 128, "percdamp": 0.01})
         self.plan = None
         self.blocks = None
@@ -242,8 +242,3 @@ def fed(stats: list[Any]) -> list[Any]:
         if stat is not None:
             seen.setdefault(id(stat), stat)
     return list(seen.values())
-
-
-def first_prune(modifiers: list[Modifier]) -> Prune | None:
-    return next((m for m in modifiers if isinstance(m, Prune)), None)
-
