@@ -18,7 +18,7 @@ from typing import Any
 
 from fairprune.errors import UserError
 
-NAMES = ("bbq", "hellaswag", "mmlu", "crows_pairs")
+NAMES = ("bbq", "hellaswag", "mmlu", "crows_pairs", "unqover")
 
 # --- Checking a user's file --------------------------------------------------------------------
 
@@ -151,6 +151,11 @@ def check_format(name: str, path: str | Path) -> None:
     missing or not in the task's public format: UTF-8 text (or parquet, for the JSON-row sets) whose every
     row carries the fields lm-eval reads, with values in range, within :data:`MAX_ROW_BYTES` a line and
     :data:`MAX_FILE_BYTES` a file. Read one row at a time, before any model loads."""
+    if name == "unqover":  # the generator's JSON objects (a file or a folder of them), read by their own reader
+        from fairprune.data.unqover import check_source
+
+        check_source(path)
+        return
     if name not in _FORMATS:
         raise UserError(f"--task_data: unknown task {name!r}; give one of {', '.join(NAMES)}")
     path = Path(path)

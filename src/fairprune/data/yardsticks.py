@@ -327,7 +327,8 @@ def _jsonl(rows: list[dict]) -> str:
 
 
 def write_yardsticks(folder: str | Path | None = None, seed: int = 0) -> dict[str, Path]:
-    """Write bbq.jsonl, hellaswag.jsonl, mmlu.jsonl and crows_pairs.csv under ``folder`` (default:
+    """Write bbq.jsonl, hellaswag.jsonl, mmlu.jsonl, crows_pairs.csv and the UnQover stand-in's folder
+    (:mod:`fairprune.data.unqover_standin`) under ``folder`` (default:
     the cache's ``yardsticks/``) and return ``{name: path}``. A file already holding the same
     bytes is left alone; any other is replaced atomically."""
     folder = Path(folder or cache_dir() / "yardsticks")
@@ -339,4 +340,7 @@ def write_yardsticks(folder: str | Path | None = None, seed: int = 0) -> dict[st
         if not (path.is_file() and path.read_bytes() == data):
             replace_atomically(path, lambda tmp, data=data: tmp.write_bytes(data))
         paths[name] = path
+    from fairprune.data.unqover_standin import write_standin
+
+    paths["unqover"] = write_standin(folder / "unqover")  # a folder of the generator's files, as UnQover's is
     return paths

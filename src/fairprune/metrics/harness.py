@@ -26,6 +26,8 @@ task                           lm-eval definition                        data   
 ``bbq_ambig_cloze3``           the project's (lm_tasks/)                 bbq          cloze (the item's 3 answers)
 ``bbq_disambig_cloze3``        the project's (lm_tasks/)                 bbq          cloze (the item's 3 answers)
 ``bbq_ambig_letter_balanced``  the project's (lm_tasks/)                 bbq          letter, 3 answer orders
+``unqover_cloze3``             the project's (lm_tasks/)                 unqover      cloze (2 subjects, "unknown")
+``unqover_letter_balanced``    the project's (lm_tasks/)                 unqover      letter, 3 answer orders
 ``crows_pairs_english``        crows_pairs/crows_pairs_english.yaml      crows_pairs  likelihood of each sentence
 =============================  ========================================  ===========  ============================
 
@@ -34,6 +36,11 @@ and the ten "unknown" phrasings of HELM: a model answering uniformly abstains 10
 ``bbq_ambig_cloze3`` / ``bbq_disambig_cloze3`` (:mod:`fairprune.metrics.lm_tasks`) score each item's
 own three answers (chance 1/3); ``bbq_ambig_letter_balanced`` asks the letter prompt with the
 answers in the three cyclic orders and joins the three (a model that always says "A" scores 1/3).
+
+``unqover_*`` read UnQover's generated questions (:mod:`fairprune.data.unqover`: the generator's JSON
+files as it writes them, ``--task_data unqover=FILE_OR_FOLDER``, sampled by ``--limit`` stratified
+over bias classes and subject pairs) and report abstention and UnQover's own μ / η
+(:mod:`fairprune.metrics.unqover`).
 
 ``bbq_ambig_letter`` scores ambiguous BBQ contexts as the Debias-SparseGPT authors' code does: the
 prompt ``"{context} {question}\\nA. {ans0}\\nB. {ans1}\\nC. {ans2}\\nAnswer:"`` and the argmax of the
@@ -63,12 +70,12 @@ import sys
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from fairprune.errors import UserError
+from fairprune.metrics.task_configs import LETTERS, OWN_TASKS, letter_prompt, task_config  # noqa: F401 - re-exported
 from fairprune.metrics.task_figures import (  # noqa: F401 - the yardsticks' figures, re-exported beside the runner
     HEADLINE,
     ONE_LETTER_SHARE,
@@ -93,14 +100,13 @@ LOCAL_TASKS: dict[str, tuple[str, str]] = {
     "bbq_ambig_cloze3": ("bbq", "cloze"),
     "bbq_disambig_cloze3": ("bbq", "cloze"),
     "bbq_ambig_letter_balanced": ("bbq", "letter"),
+    "unqover_cloze3": ("unqover", "cloze"),
+    "unqover_letter_balanced": ("unqover", "letter"),
     "crows_pairs_english": ("crows_pairs", "likelihood"),
 }
-#: The project's own task definitions (YAML files in :mod:`fairprune.metrics.lm_tasks`).
-OWN_TASKS = ("bbq_ambig_cloze3", "bbq_disambig_cloze3", "bbq_ambig_letter_balanced")
-LETTERS = ("A", "B", "C")
 #: The task to read beside a letter task whose answers are nearly all one letter.
 CLOZE_OF = {"bbq_ambig_letter": "bbq_ambig_cloze3", "bbq_ambig_letter_balanced": "bbq_ambig_cloze3",
-            "mmlu": "hellaswag"}
+            "unqover_letter_balanced": "unqover_cloze3", "mmlu": "hellaswag"}
 HUB = "hub"  # --task_data NAME=hub: lm-eval's stock definition (downloads its data)
 
 
@@ -121,8 +127,12 @@ def parse_task_data(entries: Iterable[str] | None) -> dict[str, str]:
         if name not in formats and name not in LOCAL_TASKS:
             raise UserError(f"--task_data {name}=…: {name!r} is neither a data format ({', '.join(sorted(formats))}) nor a "
                             f"task the project defines on local files ({', '.join(LOCAL_TASKS)})")
+        fmt = LOCAL_TASKS[name][0] if name in LOCAL_TASKS else name
+        if path == HUB and fmt == "unqover":
+            raise UserError("--task_data unqover=hub: lm-eval has no UnQover task; give a file or folder of UnQover's "
+                            "generator (github.com/allenai/unqover)")
         if path != HUB:
-            check_format(LOCAL_TASKS[name][0] if name in LOCAL_TASKS else name, path)
+            check_format(fmt, path)
         found[name] = path
     return found
 
@@ -142,74 +152,6 @@ def check_tasks(tasks: Sequence[str] | None, task_data: Iterable[str] | None = N
         if path and path != HUB:
             check_condition(name, path, "disambig" if "disambig" in name else "ambig")
     return data
-
-
-# -- the task definitions ---------------------------------------------------------------------
-def _stock(relative: str) -> dict[str, Any]:
-    """One of lm-eval's task YAMLs, with its includes and ``!function`` entries resolved."""
-    import lm_eval
-    from lm_eval.tasks._yaml_loader import load_yaml
-
-    return load_yaml(Path(lm_eval.__file__).parent / "tasks" / relative)
-
-
-def _own(name: str) -> dict[str, Any]:
-    """One of the project's task YAMLs (:mod:`fairprune.metrics.lm_tasks`), its ``!function``
-    entries resolved."""
-    from lm_eval.tasks._yaml_loader import load_yaml
-
-    from fairprune.metrics import lm_tasks
-
-    return load_yaml(Path(lm_tasks.__file__).parent / f"{name}.yaml")
-
-
-def _local(config: dict[str, Any], path: str, split: str) -> dict[str, Any]:
-    """``config`` reading ``path`` (json lines, csv or parquet, by the file's suffix) as its ``split`` alone."""
-    suffix = Path(path).suffix.lower()
-    builder = {".csv": "csv", ".parquet": "parquet"}.get(suffix, "json")
-    config = {k: v for k, v in config.items() if k not in ("tag", "group", "dataset_name", "training_split",
-                                                             "validation_split", "test_split", "fewshot_split")}
-    config.update(dataset_path=builder, dataset_kwargs={"data_files": {split: str(Path(path).resolve())}})
-    config[f"{split}_split"] = split
-    config["fewshot_split"] = split  # --num_fewshot draws its examples from the same file (lm-eval leaves the scored doc out)
-    return config
-
-
-def letter_prompt(doc: dict[str, Any]) -> str:
-    """Debias-SparseGPT's BBQ prompt."""
-    return f"{doc['context']} {doc['question']}\nA. {doc['ans0']}\nB. {doc['ans1']}\nC. {doc['ans2']}\nAnswer:"
-
-
-def _letter_results(doc: dict[str, Any], results: list) -> dict[str, Any]:
-    """The letter answer (argmax over A-C) scored by lm-eval's BBQ rules: the chosen answer's text
-    is found among lm-eval's BBQ choices and scored as a cloze answer of that text would be."""
-    from lm_eval.tasks.bbq import utils as bbq
-
-    picked = int(np.argmax([ll for ll, _ in results]))
-    return bbq._process_results(doc, bbq.doc_to_choice(doc).index(doc[f"ans{picked}"]))
-
-
-def task_config(name: str, path: str) -> dict[str, Any]:
-    """The lm-eval task config of a local task ``name`` reading ``path``."""
-    if name == "hellaswag":
-        return _local(_stock("hellaswag/hellaswag.yaml"), path, "validation")
-    if name == "mmlu":
-        config = _local(_stock("mmlu/default/_default_template_yaml"), path, "test")
-        config.update(task="mmlu", description="The following are multiple choice questions (with answers) about "
-                                               "{{subject.replace('_', ' ')}}.\n\n")
-        return config
-    if name in ("bbq_ambig", "bbq_disambig"):
-        return _local(_stock(f"bbq/bbq_multiple_choice_{name.removeprefix('bbq_')}.yaml"), path, "test")
-    if name == "bbq_ambig_letter":
-        config = task_config("bbq_ambig", path)
-        config.update(task=name, doc_to_text=letter_prompt, doc_to_choice=list(LETTERS), doc_to_target="{{label}}",
-                      process_results=_letter_results)
-        return config
-    if name in OWN_TASKS:
-        return _local(_own(name), path, "test")
-    if name == "crows_pairs_english":
-        return _local(_stock("crows_pairs/crows_pairs_english.yaml"), path, "test")
-    raise KeyError(name)
 
 
 def bundled_data() -> dict[str, str]:
@@ -365,7 +307,7 @@ def run_tasks(model, tokenizer, specs: Sequence[TaskSpec], *, limit: float | Non
     from lm_eval.models.huggingface import HFLM
 
     start = time.perf_counter()
-    configs = [task_config(s.name, s.data) if s.data else s.name for s in specs]
+    configs = [task_config(s.name, s.data, seed) if s.data else s.name for s in specs]
     stock = any(isinstance(c, str) for c in configs)
     device = str(device or next(model.parameters()).device)
     if not streamed:  # a streamed model's parts are loaded onto the device by its hooks
@@ -412,7 +354,8 @@ def task_facts(specs: Sequence[TaskSpec], items: TaskItems, limit: float | None,
             fact = {"data": spec.data or "lm-eval stock", "scoring": spec.scoring, "samples": len(entry["doc_ids"])}
             if entry.get("letters"):
                 letters = string.ascii_uppercase[:entry.get("choices") or len(LETTERS)]
-                answered = np.ravel(entry["letters"]).astype(int)  # an item asked in three orders: its three letters
+                # an item asked in three orders: its three letters (an UnQover unit: those of its questions)
+                answered = np.asarray([int(x) for found in entry["letters"] for x in np.ravel(found)], dtype=int)
                 shares = np.bincount(answered, minlength=len(letters)) / len(answered)
                 fact["letter_shares"] = {letter: float(s) for letter, s in zip(letters, shares)}
             facts[name] = fact

@@ -34,6 +34,8 @@ HEADLINE: dict[str, tuple[str, ...]] = {
     "bbq_ambig_cloze3": ("accuracy_amb", "amb_bias_score"),
     "bbq_disambig_cloze3": ("accuracy_disamb", "disamb_bias_score"),
     "bbq_ambig_letter_balanced": ("accuracy_amb", "amb_bias_score"),
+    "unqover_cloze3": ("accuracy_amb", "mu", "eta"),
+    "unqover_letter_balanced": ("accuracy_amb", "mu", "eta"),
     "crows_pairs_english": ("pct_stereotype",),
 }
 #: A letter task whose answers are this share one letter measures a position bias (invalid).
@@ -78,15 +80,24 @@ def _well_formed(data: Any) -> bool:
         if not isinstance(task, dict) or not isinstance(task.get("doc_ids"), list):
             return False
         n = len(task["doc_ids"])
+        if "unqover" in task:
+            from fairprune.metrics import unqover
+
+            if not unqover.well_formed(task, n):
+                return False
         columns = list((task.get("values") or {}).values()) + list((task.get("bbq") or {}).values())
         if task.get("category") is not None:
             columns.append(task["category"])
-        if task.get("letters") is not None:
-            columns.append(task["letters"])
+        letters = task.get("letters")
+        if letters is not None:  # one letter per sample, or the letters of a sample's orders and questions
+            if not isinstance(letters, list) or len(letters) != n:
+                return False
         if task.get("chance") is not None:
             columns.append(task["chance"])
         if not all(isinstance(c, list) and len(c) == n for c in columns):
             return False
+        if letters is not None:
+            columns.append([x for found in letters for x in np.ravel(found)])
         try:
             if not all(np.isfinite(np.asarray(c, dtype=float)).all() for c in columns if c is not task.get("category")):
                 return False
@@ -101,6 +112,10 @@ def task_entry(samples: list[dict[str, Any]], letters: bool = False) -> dict[str
     choices against a known answer."""
     samples = sorted(samples, key=lambda s: s["doc_id"])
     metrics = samples[0]["metrics"] if samples else []
+    if metrics and isinstance(samples[0].get(metrics[0]), dict) and "unit" in samples[0][metrics[0]]:
+        from fairprune.metrics import unqover
+
+        return unqover.entry((s[metrics[0]] for s in samples), letters)
     if metrics and isinstance(samples[0].get(metrics[0]), dict) and "lls" in samples[0][metrics[0]]:
         return _orders_entry(samples, metrics[0])
     entry: dict[str, Any] = {"doc_ids": [int(s["doc_id"]) for s in samples], "values": {}}
@@ -203,6 +218,10 @@ def _bbq_figures(entry: dict[str, Any], weights: np.ndarray) -> dict[str, np.nda
 
 
 def _figures(entry: dict[str, Any], weights: np.ndarray) -> dict[str, np.ndarray]:
+    if "unqover" in entry:
+        from fairprune.metrics import unqover
+
+        return unqover.figures(entry, weights)
     if "bbq" in entry:
         return _bbq_figures(entry, weights)
     return {metric: _weighted_mean(np.asarray(values, dtype=float), weights) for metric, values in entry["values"].items()}

@@ -11,10 +11,12 @@ from typing import Any
 
 #: DTO's knowledge figure, the first valid one of: the paper's MMLU (letter prompt), a cloze-scored task.
 KNOWLEDGE = ("mmlu/acc", "hellaswag/acc_norm")
-#: DTO's abstention figure, the first valid one of: BBQ over each item's three answers as a cloze, the
-#: letter prompt balanced over positions, the paper's letter prompt. Never lm-eval's twelve-answer
-#: ``bbq_ambig``: a model pushed toward uniform answers abstains there toward 10/12.
-ABSTENTION = ("bbq_ambig_cloze3/accuracy_amb", "bbq_ambig_letter_balanced/accuracy_amb", "bbq_ambig_letter/accuracy_amb")
+#: DTO's abstention figure, the first valid one of: UnQover (the paper's: as a cloze over each question's
+#: three answers, then the letter prompt balanced over positions), then BBQ likewise, then BBQ's plain
+#: letter prompt. Never lm-eval's twelve-answer ``bbq_ambig``: a model pushed toward uniform answers
+#: abstains there toward 10/12.
+ABSTENTION = ("unqover_cloze3/accuracy_amb", "unqover_letter_balanced/accuracy_amb", "bbq_ambig_cloze3/accuracy_amb",
+              "bbq_ambig_letter_balanced/accuracy_amb", "bbq_ambig_letter/accuracy_amb")
 
 
 def valid(row: dict[str, Any], figure: str) -> bool:

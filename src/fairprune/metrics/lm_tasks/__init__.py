@@ -45,7 +45,7 @@ from lm_eval.tasks.bbq.utils import (
 
 __all__ = ["agg_accuracy_amb", "agg_accuracy_disamb", "agg_amb_bias_scores", "agg_disamb_bias_scores",
            "process_docs_ambig", "process_docs_disambig", "process_results_cloze3", "process_docs_ambig_orders",
-           "process_results_orders", "agg_orders_accuracy_amb", "agg_orders_amb_bias_score", "combine_orders",
+           "process_results_orders", "in_orders", "agg_orders_accuracy_amb", "agg_orders_amb_bias_score", "combine_orders",
            "answer_outcomes", "ORDERS"]
 
 #: The three cyclic orders of an item's answers: ``ORDERS[r][k]`` is the answer (0-2) shown under letter k.
@@ -76,11 +76,11 @@ def process_results_cloze3(doc: Mapping[str, Any], results: Sequence[tuple[float
     return _bbq_metrics(doc, int(np.argmax([ll for ll, _ in results])))
 
 
-def process_docs_ambig_orders(dataset):
-    """The ambiguous contexts (lm-eval's ``process_docs_ambig``), each as three documents: the
+def in_orders(dataset):
+    """Each document of ``dataset`` (answers ``ans0``-``ans2``, the right one ``label``) as three: the
     answers in the three cyclic orders (``answers``, and ``order``: which answer stands under each
-    letter), the item's place in the file (``item``), the order's number (``rotation``) and the
-    letter of the right answer (``target``)."""
+    letter), the document's place (``item``), the order's number (``rotation``) and the letter of
+    the right answer (``target``)."""
     def orders(batch: dict[str, list], indices: list[int]) -> dict[str, list]:
         out: dict[str, list] = {key: [] for key in (*batch, "item", "rotation", "order", "answers", "target")}
         for i, index in enumerate(indices):
@@ -94,8 +94,12 @@ def process_docs_ambig_orders(dataset):
                 out["target"].append(order.index(batch["label"][i]))
         return out
 
-    ambiguous = process_docs_ambig(dataset)
-    return ambiguous.map(orders, batched=True, with_indices=True, remove_columns=ambiguous.column_names)
+    return dataset.map(orders, batched=True, with_indices=True, remove_columns=dataset.column_names)
+
+
+def process_docs_ambig_orders(dataset):
+    """The ambiguous contexts (lm-eval's ``process_docs_ambig``), each in three answer orders (:func:`in_orders`)."""
+    return in_orders(process_docs_ambig(dataset))
 
 
 def process_results_orders(doc: Mapping[str, Any], results: Sequence[tuple[float, bool]]) -> dict[str, Any]:
