@@ -190,3 +190,28 @@ def test_task_data_points_every_task_of_a_format_at_a_users_file(tiny_lm, tmp_pa
     assert facts["bbq_ambig"]["data"] == str(bbq) and facts["bbq_ambig"]["samples"] == ambiguous
     assert facts["bbq_ambig_letter"]["samples"] == ambiguous
     assert facts["mmlu"]["data"] == str(mmlu) and facts["mmlu"]["samples"] == len(mmlu_items(4, seed=5))
+
+
+def test_evaluate_prints_unqover_abstention_with_chance_and_interval(tiny_lm, tmp_path, capsys, monkeypatch):
+    """``prune.py evaluate --tasks [unqover_cloze3, unqover_letter_balanced] --task_data unqover=FILE
+    --limit N`` on one of the generator's files: each headline figure printed with its interval and,
+    for abstention, its chance level; a bad file refused in one line before the model loads."""
+    from fairprune.data.unqover_standin import CLASSES, write_standin
+
+    monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path / "cache"))
+    source = write_standin(tmp_path / "unqover") / CLASSES["religion"][0]
+    args = ["evaluate", *_common(tiny_lm), "--tasks", "[unqover_cloze3, unqover_letter_balanced]", "--limit", "48"]
+    capsys.readouterr()
+    assert prune_main([*args, "--task_data", f"unqover={source}", "--output", str(tmp_path / "eval")]) == 0
+    printed = capsys.readouterr().out
+    report = json.loads((tmp_path / "eval" / "report.json").read_text())
+    for task in ("unqover_cloze3", "unqover_letter_balanced"):
+        value, (low, high) = report["metrics"][f"{task}/accuracy_amb"], report["ci"][f"{task}/accuracy_amb"]
+        assert f"  {task}/accuracy_amb {value:.3f} [{low:.3f}, {high:.3f}] (chance 0.333)" in printed
+        assert f"  {task}/mu " in printed and f"  {task}/eta " in printed
+    assert report["tasks"]["facts"]["unqover_cloze3"]["samples"] == 12  # 48 questions: 12 pairs of twins
+    assert set(report["tasks"]["figures"]["unqover_cloze3"]) >= {"accuracy_amb_religion", "mu_religion", "eta_religion"}
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"a|b|c|d|0|x|y|y": {"context": "C"}}')
+    assert prune_main([*args, "--task_data", f"unqover={broken}", "--output", str(tmp_path / "bad")]) != 0
+    assert "has no q0.question" in last_error(capsys) and not (tmp_path / "bad").exists()
