@@ -255,3 +255,17 @@ def test_intervals_resample_units_and_items_survive_a_round_trip(standin, tmp_pa
     damaged["unqover_cloze3"]["unqover"]["win"].pop()
     (tmp_path / TaskItems.FILE).write_text(json.dumps(damaged))
     assert TaskItems.load(tmp_path) is None
+
+
+def test_a_folder_of_files_has_a_digest_that_follows_its_files(standin, tmp_path):
+    """The task cache keys a data folder (UnQover's) by its files' names and bytes."""
+    from fairprune.storage.digest import file_sha256
+
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for file in standin.glob("*.json"):
+        (copy / file.name).write_bytes(file.read_bytes())
+    assert file_sha256(copy) == file_sha256(standin) != ""
+    target = next(copy.glob("*.json"))
+    target.write_bytes(target.read_bytes().replace(b"Who", b"whO", 1))
+    assert file_sha256(copy) != file_sha256(standin)
