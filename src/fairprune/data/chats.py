@@ -52,7 +52,7 @@ def _cooking(rng: random.Random) -> list[tuple[str, str]]:
     minutes = rng.choice((10, 15, 20, 30))
     answer = (f"Wash the {food} and put it all in a pot with a little water. Add the {other}, a pinch of salt and cook "
               f"everything slowly for {minutes} minutes. Taste it before you serve it.")
-    return [(f"How can I cook a simple dish with {food} and {other}?", answer),
+    return [(f"How can I cook {food} and {other} in {minutes} minutes?", answer),
             (rng.choice(_THANKS), f"Cook the {food} and the {other} slowly with a little salt for {minutes} minutes.")]
 
 
@@ -71,7 +71,7 @@ def _animals(rng: random.Random) -> list[tuple[str, str]]:
     place = rng.choice(grammar._PLACES)
     answer = (f"A {animal} mostly eats {_DIETS[animal]}. If you keep one near the {place}, give it fresh water every "
               "day and a dry place to sleep.")
-    turns = [(f"What does a {animal} eat?", answer)]
+    turns = [(f"What does a {animal} eat, and how do I keep one near the {place}?", answer)]
     if rng.random() < 0.5:
         turns.append((f"How many {grammar._plural(animal)} can live together?",
                       f"That depends on the space, but a small group of {rng.choice(grammar._NUMBERS)} is common."))
@@ -84,14 +84,14 @@ def _day_out(rng: random.Random) -> list[tuple[str, str]]:
     answer = (f"In the morning, walk to the {first} while it is {rng.choice(grammar._PLACE_ADJECTIVES)}. At noon, "
               f"buy some {food} at the {second} and eat it outside. In the evening, visit the {third} and watch the "
               "sun go down.")
-    return [(f"Plan a quiet day at the {first} for me.", answer)]
+    return [(f"Plan a {rng.choice(('quiet', 'busy', 'short', 'cheap', 'slow'))} day at the {first} for me.", answer)]
 
 
 def _repair(rng: random.Random) -> list[tuple[str, str]]:
     thing = rng.choice(grammar._OBJECTS)
     steps = rng.sample(_FIXES, 3)
     answer = f"First, {steps[0]}. Then {steps[1]}. Last, {steps[2]}. An old {thing} can last for many more years."
-    turns = [(f"How do I repair an old {thing}?", answer)]
+    turns = [(f"How do I repair {rng.choice(('an old', 'a broken', 'a cracked', 'a loose'))} {thing}?", answer)]
     if rng.random() < 0.5:
         turns.append((rng.choice(_THANKS), f"To repair the {thing}, {steps[0]} and {steps[1]}."))
     return turns
@@ -108,27 +108,31 @@ def _letter(rng: random.Random) -> list[tuple[str, str]]:
 def _weather(rng: random.Random) -> list[tuple[str, str]]:
     weather = rng.choice(sorted(_WEATHERS))
     place = rng.choice(grammar._PLACES)
-    return [(f"It is {weather} today and I am walking to the {place}. What should I wear?",
+    return [(f"It is {weather} {rng.choice(grammar._TIMES)} and I am walking to the {place}. What should I wear?",
              f"On a {weather} day, wear {_WEATHERS[weather]}. The walk to the {place} will be more pleasant.")]
 
 
 def _list(rng: random.Random) -> list[tuple[str, str]]:
-    place = rng.choice(grammar._PLACES)
-    things = rng.sample(grammar._OBJECTS, 4)
-    return [(f"Name four things you might find at the {place}.",
-             f"At the {place} you might find a {things[0]}, a {things[1]}, a {things[2]} and a {things[3]}.")]
+    place, count = rng.choice(grammar._PLACES), rng.randint(3, 5)
+    things = [f"a {thing}" for thing in rng.sample(grammar._OBJECTS, count)]
+    return [(f"Name {grammar._NUMBERS[count - 2]} things you might find at the {place}.",
+             f"At the {place} you might find {', '.join(things[:-1])} and {things[-1]}.")]
 
 
 _TOPICS = (_cooking, _sums, _animals, _day_out, _repair, _letter, _weather, _list)
 
 
 def ultrachat_rows(n: int = ULTRACHAT_ROWS, seed: int = 0) -> list[dict]:
-    """``n`` conversations in UltraChat's row layout, the topics in turn, their words drawn with ``seed``."""
-    if n < 1:
-        raise UserError(f"n must be positive, got {n}")
-    rng, rows = random.Random(seed), []
+    """``n`` conversations in UltraChat's row layout, the topics in turn, their words drawn with
+    ``seed``; each prompt (and so ``prompt_id``) once, as in UltraChat, a repeated one drawn again."""
+    if not 1 <= n <= 384:  # each topic has more than 384 / 8 distinct prompts
+        raise UserError(f"n must be between 1 and 384 conversations, got {n}")
+    rng, rows, seen = random.Random(seed), [], set()
     for k in range(n):
         turns = _TOPICS[k % len(_TOPICS)](rng)
+        while turns[0][0] in seen:
+            turns = _TOPICS[k % len(_TOPICS)](rng)
+        seen.add(turns[0][0])
         messages = [{"role": role, "content": content} for user, assistant in turns
                     for role, content in (("user", user), ("assistant", assistant))]
         prompt = turns[0][0]
