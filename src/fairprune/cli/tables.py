@@ -207,6 +207,7 @@ def debias_paper_table(folders: list[Path]) -> str:
         for column in (name, f"{name}_chance"):
             if name and column in percent.columns:
                 percent[column] = pd.to_numeric(percent[column], errors="coerce") * 100
+
     def share(name: str | None, head: str):  # a figure in %, one decimal
         return name and task_column(percent, name, head, fmt=lambda v: f"{v:.1f}")
 

@@ -109,7 +109,7 @@ class LMOptions(CalibrationOptions, TaskOptions):
     Args:
         model: hub name or folder of a causal LM (e.g. runs/lm/tiny_gpt2/model).
         calib_text: text file, folder of *.txt or chat .jsonl (UltraChat rows) the method calibrates or scores on, or bundled:ultrachat (256 generated UltraChat-format conversations) (default: the bundled corpus).
-        calib_text_for: {SPARSITY: TEXT}, e.g. {"2:4": bundled:ultrachat}: the runs at that sparsity (an N:M pattern or a fraction, one of --sparsities or the run's --sparsity) calibrate on TEXT (as --calib_text takes it) instead of --calib_text; Debias-SparseGPT keeps its --pairs beside it. The paper's protocol: {"2:4": <256 UltraChat rows>}.
+        calib_text_for: {SPARSITY: TEXT}, e.g. {"2:4": bundled:ultrachat}: the runs at that sparsity (an N:M pattern or a fraction, one of --sparsities or the run's --sparsity) calibrate on TEXT (as --calib_text takes it) instead of --calib_text; Debias-SparseGPT keeps its --pairs beside it. The Debias-SparseGPT paper adds 256 UltraChat rows at 2:4 alone: {"2:4": ROWS.jsonl} (configs/compare/debias_paper.yaml).
         eval_text: text measured for perplexity, e.g. WikiText-2 raw test (default: the bundled corpus).
         trust_remote_code: allow a hub model's own code to run.
         dense_cache: reuse the dense model's figures measured by an earlier run with the same weights, texts and settings (kept in the project cache, .cache/fairprune/dense); false: measure again.
