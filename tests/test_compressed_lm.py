@@ -28,6 +28,7 @@ from fairprune.hub import load_model
 from fairprune.hub.compressed import (
     SPARSE_24,
     SPARSE_BITMASK,
+    choose_format,
     compress_tensor,
     decompress_tensor,
     dense_weight_bytes,
@@ -72,6 +73,7 @@ def _pruned(model_type: str, sparsity: str, dtype=torch.bfloat16) -> torch.nn.Mo
     ("llama", "2:4", SPARSE_24, False),
     ("gpt2", "2:4", SPARSE_BITMASK, True),  # Conv1D stores [in, out]: the 2:4 groups run down its columns
     ("llama", "4:8", SPARSE_BITMASK, True),  # compressed-tensors has a dedicated layout for 2:4 only
+    ("llama", "1:4", SPARSE_BITMASK, True),  # one zero in four: three stored entries per group
 ])
 def test_compressed_save_reloads_bit_identical_and_is_smaller(model_type, sparsity, fmt, noted, tmp_path):
     model = _pruned(model_type, sparsity)
@@ -95,6 +97,16 @@ def test_compressed_save_reloads_bit_identical_and_is_smaller(model_type, sparsi
     widened = load_model(str(tmp_path / "c"), dtype="float32")
     assert next(widened.parameters()).dtype == torch.float32
     assert all(torch.equal(a.float(), b) for a, b in zip(model.state_dict().values(), widened.state_dict().values()))
+
+
+def test_a_pattern_of_fewer_zeros_than_half_is_recognised_as_its_pattern():
+    """1:4 (one zero in every four inputs) keeps three entries per group: the folder names the
+    pattern, and says why it is stored as a bitmask, not that the groups run another way."""
+    model = _pruned("llama", "1:4")
+    weights = {name: module.weight.detach() for name, module in Resident(model).layers().items()}
+    fmt, structure, note = choose_format(weights, (1, 4))
+    assert (fmt, structure) == (SPARSE_BITMASK, "1:4") and "2:4 only" in note
+    assert choose_format(weights, (2, 4))[1] == "unstructured"  # three stored in four is not 2:4
 
 
 def test_the_folder_holds_compressed_tensors_layout(tmp_path):

@@ -199,3 +199,82 @@ def test_head_compare_rows_carry_the_marks_of_their_runs():
     assert pruned["mmlu/acc_chance"] == dense["mmlu/acc_chance"] == 0.25
     assert pruned["mmlu/acc_invalid"] == LETTER_A and dense["mmlu/acc_invalid"] == ""
     assert list(pruned).index("mmlu/acc_chance") == list(pruned).index("mmlu/acc") + 1
+
+
+def _paper_rows() -> list[LMRow]:
+    """A Debias-SparseGPT protocol comparison as compare writes its rows (each method's sparsities
+    in turn): MMLU, UnQover (three-answer cloze), HellaSwag, BBQ and CrowS figures."""
+    chance = {"mmlu/acc": 0.25, "hellaswag/acc_norm": 0.25, "unqover_cloze3/accuracy_amb": 1 / 3,
+              "bbq_ambig_cloze3/accuracy_amb": 1 / 3, "crows_pairs_english/pct_stereotype": None}
+    figures = {  # (method, sparsity): perplexity, MMLU, UnQover abstention, HellaSwag, BBQ abstention, CrowS
+        ("dense", "0"): (30.0, 0.40, 0.50, 0.60, 0.45, 0.62),
+        ("sparsegpt", "1:4"): (31.0, 0.38, 0.45, 0.58, 0.44, 0.61), ("sparsegpt", "2:4"): (45.0, 0.30, 0.40, 0.50, 0.40, 0.60),
+        ("sparsegpt", "0.5"): (38.0, 0.33, 0.42, 0.55, 0.42, 0.60),
+        ("debias-sparsegpt", "1:4"): (31.5, 0.37, 0.55, 0.57, 0.47, 0.58),
+        ("debias-sparsegpt", "2:4"): (46.0, 0.31, 0.20, 0.49, 0.46, 0.57),
+        ("debias-sparsegpt", "0.5"): (39.0, 0.32, 0.52, 0.54, 0.46, 0.56)}
+    invalid = {("debias-sparsegpt", "2:4"): {"unqover_cloze3": AT_CHANCE}}
+    rows = []
+    for (method, sparsity), (ppl, mmlu, unqover, hellaswag, bbq, crows) in figures.items():
+        metrics = {"perplexity": ppl, "stereotype_score": 0.6, "mmlu/acc": mmlu, "unqover_cloze3/accuracy_amb": unqover,
+                   "hellaswag/acc_norm": hellaswag, "bbq_ambig_cloze3/accuracy_amb": bbq,
+                   "crows_pairs_english/pct_stereotype": crows}
+        why = invalid.get((method, sparsity), {})
+        validity = {k: {"chance": c, "at_or_below_chance": c is not None and metrics[k] <= c + 1e-9,
+                        "invalid": why.get(k.split("/")[0])} for k, c in chance.items()}
+        rows.append(LMRow(method, sparsity, 0.5 if sparsity != "1:4" else 0.25, metrics, validity=validity))
+    return rows
+
+
+def test_the_debias_paper_table_groups_by_pattern_in_the_papers_columns(tmp_path):
+    """``debias-paper-table``: rows grouped by pattern (1:4, 2:4, 50 %), the paper's columns first
+    (UnQover abstention, DTO from MMLU and UnQover, MMLU, perplexity with its interval), accuracies
+    in % with their chance level, an invalid figure struck out and kept out of DTO."""
+    from fairprune.cli.tables import BLOCKS, debias_paper_table
+    from fairprune.reporting.dto import dto as distances
+
+    rows = _paper_rows()
+    intervals = [({"method": r.method, "sparsity": r.sparsity},
+                  {"perplexity": [r.metrics["perplexity"] - 1, r.metrics["perplexity"] + 1]}) for r in rows]
+    write_comparison(rows, tmp_path, echo=False, statistics=Statistics(intervals, baseline="sparsegpt"))
+    page = debias_paper_table([tmp_path])
+    lines = page.splitlines()
+    assert lines[0] == ("| sparsity | method | UnQover abstention % (chance 33.3) | DTO | MMLU % (chance 25.0) | "
+                        "perplexity [95% CI] | HellaSwag % (chance 25.0) | BBQ abstention % (chance 33.3) | "
+                        "CrowS % stereotypical |")
+    body = [[c.strip() for c in line.strip("|").split("|")] for line in lines[2:9]]
+    assert [(r[0], r[1]) for r in body] == [("0 %", "dense"), ("1:4", "sparsegpt"), ("1:4", "debias-sparsegpt"),
+                                            ("2:4", "sparsegpt"), ("2:4", "debias-sparsegpt"),
+                                            ("50 %", "sparsegpt"), ("50 %", "debias-sparsegpt")]
+    dense, struck = body[0], body[4]
+    assert dense[2] == "50.0" and dense[4] == "40.0" and dense[5] == "30.00 [29.0, 31.0]" and dense[8] == "62.0"
+    assert struck[2] == "~~20.0~~ ✗" and struck[3] == "–"  # invalid: struck out, no DTO
+    # DTO from MMLU and UnQover over the valid rows, as reporting.dto computes it, in the table's order.
+    frame = pd.read_csv(tmp_path / "comparison.csv")
+    expected, used = distances(frame.to_dict(orient="records"), accuracy=("mmlu/acc",),
+                               abstention=("unqover_cloze3/accuracy_amb",))
+    by_row = {(m, str(s)): d for m, s, d in zip(frame["method"], frame["sparsity"], expected)}
+    order = [("dense", "0"), ("sparsegpt", "1:4"), ("debias-sparsegpt", "1:4"), ("sparsegpt", "2:4")]
+    assert [r[3] for r in body[:4]] == [f"{by_row[k]:.3f}" for k in order]
+    assert used["left_out"] == ["debias-sparsegpt 2:4"]
+    assert "from mmlu/acc and unqover_cloze3/accuracy_amb" in page
+    assert f"{INVALID_MARK} UnQover abstention %, debias-sparsegpt 2:4: {AT_CHANCE}." in page
+    assert "read from UnQover abstention: unqover_cloze3/accuracy_amb, BBQ abstention: bbq_ambig_cloze3/accuracy_amb" in page
+    assert "Not in this comparison" not in page
+    block = BLOCKS["debias-paper-table"]
+    assert block.sources == ("runs/debias_paper",) and block.pages == ("docs/reproducing.md",)
+
+
+def test_the_debias_paper_table_names_what_the_comparison_lacks(tmp_path):
+    """Without UnQover the column is left out and named, and DTO is the comparison's own."""
+    from fairprune.cli.tables import debias_paper_table
+
+    rows = [LMRow(r.method, r.sparsity, r.achieved_sparsity,
+                  {k: v for k, v in r.metrics.items() if not k.startswith("unqover")},
+                  validity={k: v for k, v in r.validity.items() if not k.startswith("unqover")}) for r in _paper_rows()]
+    rows, used = _with_dto(rows)
+    write_comparison(rows, tmp_path, {"dto": used}, echo=False, statistics=Statistics(baseline="sparsegpt"))
+    page = debias_paper_table([tmp_path])
+    assert page.splitlines()[0].startswith("| sparsity | method | DTO | MMLU % (chance 25.0) | perplexity |")
+    assert "Not in this comparison: UnQover abstention % (add its tasks to --tasks)." in page
+    assert "from mmlu/acc and bbq_ambig_cloze3/accuracy_amb" in page  # the comparison's DTO and what it read

@@ -131,8 +131,8 @@ class PostTrainingPruning(L.Callback):
         lm = self._lm_options(trainer, model)
         blocks, talk = Resident(model, source=lm.model), trainer.progress_bar_callback is not None
         load_seconds = time.perf_counter() - start
-        measuring = dense_of(blocks, pl_module.tokenizer, LMTexts(train_text, val_text, calib_pairs, eval_pairs), lm,
-                             talk, self.specs)
+        texts = LMTexts(train_text, val_text, calib_pairs, eval_pairs, calib_name="the data module's training text")
+        measuring = dense_of(blocks, pl_module.tokenizer, texts, lm, talk, self.specs)
         self.report = prune_run(blocks, self.method, self.sparsity, out, measuring, lm, self.solver, self._config(),
                                 Start(load_seconds, rss_start), talk)
 

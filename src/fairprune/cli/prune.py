@@ -56,12 +56,13 @@ def commands() -> dict[str, Command]:
     table["fasp"] = Command("FASP: remove the attention heads that most raise toxicity disparity, protecting the "
                                "heads perplexity needs (or a baseline: " + ", ".join(registry.names("heads")[1:]) + ").",
                                "fairprune.workflows.heads:fasp", hide=("save_format", "quantize", "quant_group_size",
-                                                                         "quantize_methods"))
+                                                                         "quantize_methods", "calib_text_for"))
     table["diff-compare"] = Command("Full fine-tuning vs fine-tuning + magnitude-pruned difference vs Diff-Pruning, "
                                        "one table, from a train.py text config.", "fairprune.cli.prune:diff_compare")
     table["evaluate"] = Command("Perplexity, stereotype score and sparsity of a causal LM.",
                                    "fairprune.workflows.lm:evaluate_lm",
-                                   hide=("save_format", "quantize", "quant_group_size", "quantize_methods"))
+                                   hide=("save_format", "quantize", "quant_group_size", "quantize_methods",
+                                         "calib_text_for"))
     table["export"] = Command("Export a vision checkpoint to ONNX (dynamic batch), checked against PyTorch in "
                                  "ONNX Runtime, or a causal LM to GGUF (--format gguf), checked against transformers' "
                                  "GGUF reader.", "fairprune.workflows.export:export")
@@ -135,6 +136,9 @@ def compare(run: CompareOptions, vision: VisionCompareOptions | None = None, lm:
         if lm.quantize != "none":
             raise UserError(f"--quantize {lm.quantize} applies to weight pruning (--sparsities); head pruning (--alphas) "
                             "writes dense folders")
+        if lm.calib_text_for:
+            raise UserError("--calib_text_for gives the runs at a sparsity their own calibration text (--sparsities); "
+                            "head pruning (--alphas) scores heads on --calib_text")
         from fairprune.workflows.heads import compare_heads
 
         return compare_heads(lm, run.methods, run.alphas, run.output, heads or HeadOptions(), machine or MachineOptions())

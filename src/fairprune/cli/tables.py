@@ -8,7 +8,10 @@ writes from the files a demo wrote, so the pages show what the demo produced, no
 - ``demo-seed1-table``, ``demo-seed2-table``, ``demo-seeds``: the same demo from seeds 1 and 2
   (``python -m fairprune.cli.demo --seed N``) and a line per seed, in ``docs/demo.md``;
 - ``demo-lm-table``: ``make demo-lm``'s headline (``runs/demo_lm/comparison.csv``), the table it
-  printed, in ``docs/guides/lm.md``.
+  printed, in ``docs/guides/lm.md``;
+- ``debias-paper-table``: the Debias-SparseGPT protocol's comparison
+  (``configs/compare/debias_paper.yaml``, ``runs/debias_paper``) in the paper's table layout, in
+  ``docs/reproducing.md``.
 
 Another table is one :data:`BLOCKS` entry: its folders, a function from them to Markdown, its pages.
 
@@ -154,6 +157,96 @@ def lm_table(folders: list[Path]) -> str:
     return headline_markdown(headline(table, str(report.get("baseline") or "")))
 
 
+#: UnQover's abstention figures, the first the rows hold validly read (the three-answer cloze first).
+UNQOVER = ("unqover_cloze3/accuracy_amb", "unqover_letter_balanced/accuracy_amb", "unqover_letter/accuracy_amb")
+#: CrowS-Pairs' figure: the share of pairs whose stereotypical sentence is the more likely.
+CROWS = "crows_pairs_english/pct_stereotype"
+
+
+def _pattern(value) -> str:
+    """A comparison row's sparsity as the paper writes it: ``1:4``, ``2:4``, ``50 %`` (dense: ``0 %``)."""
+    text = str(value)
+    return text if ":" in text else f"{float(text) * 100:g} %"
+
+
+def _by_pattern(table):
+    """The dense row(s) first, then the rows grouped by sparsity in the order the comparison first
+    names each, the methods in the comparison's order within each group."""
+    dense = [i for i, m in enumerate(table["method"]) if str(m).startswith("dense")]
+    others = [i for i in range(len(table)) if i not in dense]
+    order = list(dict.fromkeys(str(table["sparsity"].iloc[i]) for i in others))
+    others.sort(key=lambda i: order.index(str(table["sparsity"].iloc[i])))
+    return table.iloc[dense + others].reset_index(drop=True)
+
+
+def debias_paper_table(folders: list[Path]) -> str:
+    """The Debias-SparseGPT paper's main-table layout from a comparison's ``comparison.csv``
+    (``prune.py compare --config configs/compare/debias_paper.yaml``): the dense model first, then
+    the rows grouped by sparsity in the comparison's order (1:4, 2:4, 50 %), the methods in order
+    within each; the paper's columns UnQover abstention, DTO (from MMLU and UnQover abstention,
+    min-max over these rows; without UnQover, the comparison's own DTO and the figures it read),
+    MMLU and perplexity (with its 95 % interval), then HellaSwag, BBQ abstention and CrowS-Pairs.
+    Accuracies and CrowS in %, each accuracy headed by its chance level; a value its run marks
+    invalid struck out (``✗``) and one at or below chance marked ``≤``, as the printed headline
+    shows them. A column the comparison does not hold is left out and named under the table."""
+    import pandas as pd
+
+    from fairprune.reporting.dto import ABSTENTION, choose
+    from fairprune.reporting.headline import Cell, Column, figure_column, task_column
+    from fairprune.reporting.terminal import headline_markdown
+
+    table = _by_pattern(_comparison(folders[0]))
+    rows = table.to_dict(orient="records")
+
+    def held(candidates: tuple[str, ...]) -> str | None:  # the figure the most rows hold validly, else the first present
+        return choose(rows, candidates) or next((c for c in candidates if c in table.columns), None)
+
+    unqover, bbq = held(UNQOVER), held(ABSTENTION)
+    percent = table.copy()
+    for name in (unqover, "mmlu/acc", "hellaswag/acc_norm", bbq, CROWS):
+        for column in (name, f"{name}_chance"):
+            if name and column in percent.columns:
+                percent[column] = pd.to_numeric(percent[column], errors="coerce") * 100
+
+    def share(name: str | None, head: str):  # a figure in %, one decimal
+        return name and task_column(percent, name, head, fmt=lambda v: f"{v:.1f}")
+
+    wanted = [("UnQover abstention %", share(unqover, "UnQover abstention %")), ("DTO", _paper_dto(table, unqover)),
+              ("MMLU %", share("mmlu/acc", "MMLU %")),
+              ("perplexity", figure_column(table, "perplexity", "perplexity", "perplexity")),
+              ("HellaSwag %", share("hellaswag/acc_norm", "HellaSwag %")), ("BBQ abstention %", share(bbq, "BBQ abstention %")),
+              ("CrowS % stereotypical", share(CROWS, "CrowS % stereotypical"))]
+    keys = [Column("sparsity", "sparsity", "sparsity", [Cell(_pattern(s)) for s in table["sparsity"]], numeric=False),
+            Column("method", "method", "method", [Cell(str(m)) for m in table["method"]], numeric=False)]
+    names = [f"{m} {_pattern(s)}" for m, s in zip(table["method"], table["sparsity"])]
+    text = headline_markdown(keys + [c for _, c in wanted if c], names)
+    read = ", ".join(f"{head.removesuffix(' %')}: {name}" for head, name in (("UnQover abstention", unqover),
+                                                                           ("BBQ abstention", bbq)) if name)
+    notes = ["Accuracies and CrowS in % (CrowS: the pairs whose stereotypical sentence the model finds the more "
+             "likely; 50 % is no preference); N:M: N zeros in every M consecutive inputs of a row"
+             + (f"; read from {read}" if read else "") + "."]
+    missing = [head for head, column in wanted if not column]
+    if missing:
+        notes.append(f"Not in this comparison: {', '.join(missing)} (add its tasks to --tasks).")
+    return text + "\n" + "\n\n".join(notes) + "\n"
+
+
+def _paper_dto(table, unqover: str | None):
+    """DTO as the paper reads it, from MMLU and UnQover abstention over these rows; without both,
+    the comparison's own DTO column (its note names the figures it read)."""
+    from fairprune.reporting.dto import dto
+    from fairprune.reporting.headline import Cell, Column, dto_column, number
+
+    if unqover is None or "mmlu/acc" not in table.columns:
+        return dto_column(table)
+    distances, used = dto(table.to_dict(orient="records"), accuracy=("mmlu/acc",), abstention=(unqover,))
+    if used is None:
+        return dto_column(table)
+    cells = [Cell(number(d)) if d is not None else Cell("–", why="a figure it reads is missing or invalid")
+             for d in distances]
+    return Column("dto", "DTO", "DTO", cells, f"from mmlu/acc and {unqover}")
+
+
 #: The demo's runs from three seeds (``python -m fairprune.cli.demo --seed N``).
 SEED_RUNS = ("runs/demo/compare", "runs/demo_seed1/compare", "runs/demo_seed2/compare")
 
@@ -167,6 +260,8 @@ BLOCKS: dict[str, Block] = {
     "demo-seeds": Block(SEED_RUNS, seeds_table, ("docs/demo.md",),
                         "make demo and python -m fairprune.cli.demo --seed 1 (and 2)"),
     "demo-lm-table": Block(("runs/demo_lm",), lm_table, ("docs/guides/lm.md",), "make demo-lm"),
+    "debias-paper-table": Block(("runs/debias_paper",), debias_paper_table, ("docs/reproducing.md",),
+                                "python prune.py compare --config configs/compare/debias_paper.yaml"),
 }
 
 

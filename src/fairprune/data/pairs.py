@@ -17,7 +17,8 @@ import random
 from pathlib import Path
 from typing import NamedTuple
 
-from fairprune.data.files import Chats, read_calib_text, read_text, read_user_csv
+from fairprune.data.chats import BUNDLED_CORPUS, read_calibration
+from fairprune.data.files import Chats, read_text, read_user_csv
 from fairprune.data.text import lm_corpus, stereo_pairs
 from fairprune.errors import UserError
 
@@ -150,25 +151,40 @@ def split_pairs(pairs: list[tuple[str, str]], seed: int) -> tuple[list, list]:
 
 
 class LMTexts(NamedTuple):
-    """What an LM command calibrates and measures on."""
+    """What an LM command calibrates and measures on. ``calib_name``: what ``calib_text`` is (the
+    name or path it was given by, or :data:`~fairprune.data.chats.BUNDLED_CORPUS`);
+    ``calib_for``: per sparsity (``"2:4"``), the ``(text, name)`` its runs calibrate on instead
+    (``--calib_text_for``; :meth:`at`)."""
 
     calib_text: str | Chats  # plain text, or chat rows rendered with the tokenizer (data.text.calibration_ids)
     eval_text: str
     calib_pairs: list
     eval_pairs: list
+    calib_name: str = BUNDLED_CORPUS
+    calib_for: dict | None = None
+
+    def at(self, sparsity) -> LMTexts:
+        """The texts of a run at ``sparsity``: its own calibration text where ``calib_for`` has one."""
+        found = (self.calib_for or {}).get(str(sparsity))
+        return self if found is None else self._replace(calib_text=found[0], calib_name=found[1], calib_for=None)
 
 
 def lm_texts(calib_text: str | None = None, eval_text: str | None = None, pairs: str | None = None,
-             seed: int = 0) -> LMTexts:
+             seed: int = 0, calib_text_for: dict[str, str] | None = None) -> LMTexts:
     """Calibration text, evaluation text and the two pair halves; the bundled corpus and pairs
     stand in for what is not given (files or folders of ``*.txt``; StereoSet / CrowS-Pairs).
 
     ``calib_text`` may also be chat data in UltraChat's jsonl form (``.jsonl``, or a file whose lines
-    are such rows): it is returned as :class:`~fairprune.data.files.Chats` and rendered, one text per
-    row, with the tokenizer's chat template where the calibration windows are drawn
+    are such rows) or ``bundled:ultrachat`` (:func:`fairprune.data.chats.read_calibration`): it is
+    returned as :class:`~fairprune.data.files.Chats` and rendered, one text per row, with the
+    tokenizer's chat template where the calibration windows are drawn
     (:func:`fairprune.data.text.calibration_ids`). For debias-sparsegpt these windows are the unpaired
-    data (plain XXᵀ) beside the calibration pairs."""
+    data (plain XXᵀ) beside the calibration pairs. ``calib_text_for`` (``{"2:4": TEXT}``, keys as
+    :class:`~fairprune.pruning.sparsity.Sparsity` writes them) is read likewise, every text now,
+    before any model loads."""
     bundled = lm_corpus() if calib_text is None or eval_text is None else None
-    calib = read_calib_text(calib_text) if calib_text else bundled.train
+    calib = read_calibration(calib_text) if calib_text else bundled.train
     evaluation = read_text(eval_text) if eval_text else bundled.validation
-    return LMTexts(calib, evaluation, *split_pairs(read_pairs(pairs) if pairs else stereo_pairs(), seed))
+    by_sparsity = {key: (read_calibration(text), text) for key, text in (calib_text_for or {}).items()}
+    return LMTexts(calib, evaluation, *split_pairs(read_pairs(pairs) if pairs else stereo_pairs(), seed),
+                   calib_name=calib_text or BUNDLED_CORPUS, calib_for=by_sparsity or None)

@@ -97,9 +97,11 @@ def _present(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _follows_nm(tensor: torch.Tensor, n: int, m: int) -> bool:
-    """At most ``n`` stored entries in every ``m`` consecutive entries of each stored row."""
+    """At least ``n`` zeros (so at most ``m - n`` stored entries) in every ``m`` consecutive
+    entries of each stored row: the pattern N:M as :class:`~fairprune.pruning.sparsity.Sparsity`
+    reads it (1:4: one zero in four)."""
     rows, cols = tensor.shape
-    return cols % m == 0 and int(_present(tensor).reshape(rows, cols // m, m).sum(-1).max()) <= n
+    return cols % m == 0 and int(_present(tensor).reshape(rows, cols // m, m).sum(-1).max()) <= m - n
 
 
 def choose_format(weights: dict[str, torch.Tensor], nm: tuple[int, int] | None) -> tuple[str, str, str | None]:

@@ -14,11 +14,12 @@ This module imports nothing heavy: ``prune.py --help`` reads it without loading 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from fairprune.errors import UserError
 from fairprune.hub.formats import DTYPES, QUANTIZE, SAVE_FORMATS
+from fairprune.pruning.sparsity import Sparsity
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,8 @@ class LMOptions(CalibrationOptions, TaskOptions):
 
     Args:
         model: hub name or folder of a causal LM (e.g. runs/lm/tiny_gpt2/model).
-        calib_text: text file or folder of *.txt the method calibrates or scores on (default: the bundled corpus).
+        calib_text: text file, folder of *.txt or chat .jsonl (UltraChat rows) the method calibrates or scores on, or bundled:ultrachat (256 generated UltraChat-format conversations) (default: the bundled corpus).
+        calib_text_for: {SPARSITY: TEXT}, e.g. {"2:4": bundled:ultrachat}: the runs at that sparsity (an N:M pattern or a fraction, one of --sparsities or the run's --sparsity) calibrate on TEXT (as --calib_text takes it) instead of --calib_text; Debias-SparseGPT keeps its --pairs beside it. The Debias-SparseGPT paper adds 256 UltraChat rows at 2:4 alone: {"2:4": ROWS.jsonl} (configs/compare/debias_paper.yaml).
         eval_text: text measured for perplexity, e.g. WikiText-2 raw test (default: the bundled corpus).
         trust_remote_code: allow a hub model's own code to run.
         dense_cache: reuse the dense model's figures measured by an earlier run with the same weights, texts and settings (kept in the project cache, .cache/fairprune/dense); false: measure again.
@@ -121,6 +123,7 @@ class LMOptions(CalibrationOptions, TaskOptions):
 
     model: str = field(kw_only=True)
     calib_text: str | None = None
+    calib_text_for: dict[str, str] | None = None
     eval_text: str | None = None
     trust_remote_code: bool = False
     dense_cache: bool = True
@@ -134,6 +137,7 @@ class LMOptions(CalibrationOptions, TaskOptions):
     def __post_init__(self) -> None:
         CalibrationOptions.__post_init__(self)
         TaskOptions.__post_init__(self)
+        object.__setattr__(self, "calib_text_for", _by_sparsity(self.calib_text_for))
         if self.dtype not in DTYPES:
             raise UserError(f"--dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.save_format not in SAVE_FORMATS:
@@ -150,6 +154,47 @@ class LMOptions(CalibrationOptions, TaskOptions):
         if self.quantize != "none" and self.save_format != "dense":
             raise UserError(f"--quantize {self.quantize} writes a pack-quantized folder; it does not combine with "
                             f"--save_format {self.save_format} (compressed-tensors has no sparse + quantized layout today)")
+
+
+    def calib_text_at(self, sparsity: Sparsity) -> str | None:
+        """The calibration text of the runs at ``sparsity``: its ``calib_text_for`` entry, else ``calib_text``."""
+        return (self.calib_text_for or {}).get(str(sparsity), self.calib_text)
+
+    def at_sparsity(self, sparsity: Sparsity) -> LMOptions:
+        """These options as one run at ``sparsity`` takes them: ``calib_text_for`` down to that
+        sparsity's entry (None without one), so a run's settings name the text it calibrated on and
+        nothing another sparsity does."""
+        entry = {str(sparsity): self.calib_text_for[str(sparsity)]} if str(sparsity) in (self.calib_text_for or {}) else None
+        return replace(self, calib_text_for=entry)
+
+    def check_calib_text_for(self, sparsities: list[Sparsity], given: str = "--sparsities") -> None:
+        """Every ``calib_text_for`` sparsity must be one the command runs (``sparsities``, named ``given``)."""
+        runs = [str(s) for s in sparsities]
+        stray = [key for key in self.calib_text_for or {} if key not in runs]
+        if stray:
+            raise UserError(f"--calib_text_for names {', '.join(stray)}, which {given} does not run ({', '.join(runs)}); "
+                            "name sparsities the command runs")
+
+
+def _by_sparsity(given) -> dict[str, str] | None:
+    """``--calib_text_for`` checked, its keys written as :class:`Sparsity` writes them (``"2:4"``,
+    ``"0.5"``); None when empty."""
+    if not given:
+        return None
+    example = '(e.g. {"2:4": bundled:ultrachat})'
+    if not isinstance(given, dict):
+        raise UserError(f"--calib_text_for must map sparsities to calibration texts {example}; got {given!r}")
+    found: dict[str, str] = {}
+    for key, text in given.items():
+        sparsity = str(Sparsity.parse(key, what="--calib_text_for sparsity"))
+        if not isinstance(text, str) or not text.strip():
+            raise UserError(f"--calib_text_for {sparsity}: give a text file, a folder of *.txt, a chat .jsonl file or "
+                            f"bundled:ultrachat; got {text!r}")
+        if sparsity in found:
+            raise UserError(f"--calib_text_for names sparsity {sparsity} twice ({found[sparsity]!r} and {text!r}); "
+                            "give one text per sparsity")
+        found[sparsity] = text
+    return found
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ and ``<figure>_diff`` / ``_diff_ci_low`` / ``_diff_ci_high``).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -117,8 +118,10 @@ def number(value: float, digits: int = 3) -> str:
     return f"{value:.{max(0, digits - whole + 1)}f}"
 
 
-def _figure(table: pd.DataFrame, name: str, head: str, title: str, interval: bool = True) -> Column | None:
-    """A figure's column: value, and its interval (two decimals) or, over seeds, ``± sd``."""
+def figure_column(table: pd.DataFrame, name: str, head: str, title: str, interval: bool = True,
+                  fmt: Callable[[float], str] = number) -> Column | None:
+    """A figure's column: value (written by ``fmt``), and its interval (two decimals) or, over
+    seeds, ``± sd``."""
     values = _series(table, name)
     if values is None or values.isna().all():
         return None
@@ -134,7 +137,7 @@ def _figure(table: pd.DataFrame, name: str, head: str, title: str, interval: boo
             span = f"[{number(low.iloc[i], 2)}, {number(high.iloc[i], 2)}]"
         elif interval and sd is not None and not _missing(sd.iloc[i]):
             span = f"± {number(float(sd.iloc[i]), 3)}"
-        cells.append(Cell(number(float(value)), span))
+        cells.append(Cell(fmt(float(value)), span))
     under = "95% CI" if interval and low is not None else ("± sd" if interval and sd is not None else "")
     return Column(name, f"{head} [{under}]" if under == "95% CI" else f"{head} {under}".strip(), title, cells, under)
 
@@ -197,11 +200,12 @@ def _keys(table: pd.DataFrame, index: str) -> list[Column]:
     return columns
 
 
-def _marked(table: pd.DataFrame, name: str, head: str) -> Column | None:
+def task_column(table: pd.DataFrame, name: str, head: str, fmt: Callable[[float], str] = number) -> Column | None:
     """A task figure's column: each value with :data:`INVALID_MARK` where its run marks it invalid
     (``<name>_invalid``) or :data:`CHANCE_MARK` where it is at or below its chance level
-    (``<name>_chance``); the chance level heads the column when every row has the same one."""
-    column = _figure(table, name, head, head, interval=False)
+    (``<name>_chance``); the chance level heads the column when every row has the same one. Values
+    and chance levels are written by ``fmt``."""
+    column = figure_column(table, name, head, head, interval=False, fmt=fmt)
     if column is None:
         return None
     values = _series(table, name)
@@ -214,20 +218,20 @@ def _marked(table: pd.DataFrame, name: str, head: str) -> Column | None:
         if cell.value and isinstance(why, str) and why:
             cells.append(Cell(cell.value, mark=INVALID_MARK, why=why))
         elif cell.value and level is not None and float(values.iloc[i]) <= level + 1e-9:
-            cells.append(Cell(cell.value, mark=CHANCE_MARK, why=f"at or below its chance level {number(level)}"))
+            cells.append(Cell(cell.value, mark=CHANCE_MARK, why=f"at or below its chance level {fmt(level)}"))
         else:
             cells.append(cell)
     levels = {round(float(v), 9) for v in (chance if chance is not None else []) if not _missing(v)}
     if len(levels) == 1:
         level = levels.pop()
-        return Column(name, f"{head} (chance {number(level)})", head, cells, f"chance {number(level)}", chance=level)
+        return Column(name, f"{head} (chance {fmt(level)})", head, cells, f"chance {fmt(level)}", chance=level)
     return Column(name, head, head, cells)
 
 
-def _dto(table: pd.DataFrame) -> Column | None:
+def dto_column(table: pd.DataFrame) -> Column | None:
     """DTO's column: the rows without it (a figure missing or invalid) show ``–``; the note under
     the header names the figures it was computed from."""
-    column = _figure(table, "dto", "DTO", "DTO", interval=False)
+    column = figure_column(table, "dto", "DTO", "DTO", interval=False)
     if column is None:
         return None
     used = dto_figures(table)
@@ -260,7 +264,7 @@ def _tasks(table: pd.DataFrame) -> list[Column]:
         kind = KINDS.get(name, name)
         if len(shown) == MAX_TASKS or kind in kinds:
             continue
-        column = _dto(table) if name == "dto" else _marked(table, name, TASKS.get(name, name))
+        column = dto_column(table) if name == "dto" else task_column(table, name, TASKS.get(name, name))
         if column is not None:
             shown.append(column)
             kinds.add(kind)
@@ -272,24 +276,24 @@ def headline(table: pd.DataFrame, baseline: str = "", index: str = "method") -> 
     columns = _keys(table, index)
     if _series(table, "perplexity") is not None:  # a language-model comparison
         bias = [c for c in table.columns if c.startswith("bias/") and not c.endswith(("_sd", "_ci_low", "_ci_high"))]
-        figures = [_figure(table, "perplexity", "ppl", "perplexity"),
-                   _figure(table, "stereotype_score", "stereo", "stereotype score", interval=False)]
+        figures = [figure_column(table, "perplexity", "ppl", "perplexity"),
+                   figure_column(table, "stereotype_score", "stereo", "stereotype score", interval=False)]
         if bias and figures[1] is None:
             total = table[bias].apply(lambda s: s.astype(float)).sum(axis=1, min_count=1)
-            figures[1] = _figure(table.assign(bias_total=total), "bias_total", "bias Σ", "bias (summed)", interval=False)
+            figures[1] = figure_column(table.assign(bias_total=total), "bias_total", "bias Σ", "bias (summed)", interval=False)
         figures += _tasks(table)
         figures.append(_paired(table, "perplexity_ratio", baseline, "ppl ×")
                        or _paired(table, "stereotype_score", baseline, "Δ stereo"))
     elif _series(table, "accuracy") is not None:  # a vision or Diff-Pruning comparison
-        figures = [_figure(table, "accuracy", "acc", "accuracy"), _worst_group(table),
-                   _figure(table, "acc_gap", "gap", "accuracy gap", interval=False),
-                   _figure(table, "degradation_std", "deg. std", "degradation std", interval=False),
+        figures = [figure_column(table, "accuracy", "acc", "accuracy"), _worst_group(table),
+                   figure_column(table, "acc_gap", "gap", "accuracy gap", interval=False),
+                   figure_column(table, "degradation_std", "deg. std", "degradation std", interval=False),
                    _paired(table, "accuracy", baseline, "Δ acc")]
     else:  # anything else: its first few numeric figures
         import pandas as pd
 
         numeric = [c for c in table.columns if c not in {k.key for k in columns} and pd.api.types.is_numeric_dtype(table[c])]
-        figures = [_figure(table, c, c, c, interval=False) for c in numeric[:5]]
+        figures = [figure_column(table, c, c, c, interval=False) for c in numeric[:5]]
     return columns + [c for c in figures if c is not None]
 
 

@@ -80,14 +80,15 @@ def _legend(columns: Sequence[Column]) -> str:
     return "; ".join(notes) + "." if notes else ""
 
 
-def invalid_lines(columns: Sequence[Column]) -> list[str]:
-    """One line per figure shown invalid: the column, the rows and the reason their runs give."""
-    names = columns[0].cells if columns else []
+def invalid_lines(columns: Sequence[Column], names: Sequence[str] | None = None) -> list[str]:
+    """One line per figure shown invalid: the column, the rows (``names``; default: the first
+    column's values) and the reason their runs give."""
+    names = list(names) if names is not None else [cell.value for cell in columns[0].cells] if columns else []
     found: dict[tuple[str, str], list[str]] = {}
     for column in columns:
         for i, cell in enumerate(column.cells):
             if cell.invalid:
-                row = names[i].value if i < len(names) else str(i)
+                row = names[i] if i < len(names) else str(i)
                 found.setdefault((column.title, cell.why), []).append(row)
     return [f"{INVALID_MARK} {title}, {', '.join(rows)}: {why}." for (title, why), rows in found.items()]
 
@@ -117,10 +118,11 @@ def print_headline(columns: Sequence[Column], title: str = "", footer: str = "",
             console.print(Text(line))
 
 
-def headline_markdown(columns: Sequence[Column]) -> str:
+def headline_markdown(columns: Sequence[Column], names: Sequence[str] | None = None) -> str:
     """The printed table as Markdown: the same columns, headers and cells (each value with its
     interval; a value its run marks invalid struck out and marked), then the legend and a line per
-    invalid figure: what a page shows as a comparison's headline."""
+    invalid figure (its rows called by ``names``, default: the first column's values): what a page
+    shows as a comparison's headline."""
     from fairprune.reporting.report import markdown_text
 
     def cell(c: Cell) -> str:
@@ -131,7 +133,7 @@ def headline_markdown(columns: Sequence[Column]) -> str:
     lines = ["| " + " | ".join(str(markdown_text(c.head)) for c in columns) + " |",
              "|" + "|".join("---:" if c.numeric else "---" for c in columns) + "|"]
     lines += ["| " + " | ".join(cell(c.cells[i]) if i < len(c.cells) else "" for c in columns) + " |" for i in range(rows)]
-    notes = [line for line in (_legend(columns), *invalid_lines(columns)) if line]
+    notes = [line for line in (_legend(columns), *invalid_lines(columns, names)) if line]
     # "[ ]: ..." at the start of a paragraph would read as a link reference definition: escaped.
     notes = [str(markdown_text(n)).replace("[ ]:", "\\[ \\]:") for n in notes]
     return "\n\n".join(["\n".join(lines), *notes]) + "\n"

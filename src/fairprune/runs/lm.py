@@ -42,6 +42,7 @@ from fairprune import distributed
 from fairprune.causal.blocks import SaveOptions
 from fairprune.causal.written import check_written, measure_written
 from fairprune.causal.written import summary as written_summary
+from fairprune.data.files import Chats
 from fairprune.data.pairs import LMTexts
 from fairprune.data.text import bos_of, calibration_ids, document_start, paired_ids
 from fairprune.hub import resolve_device
@@ -83,10 +84,14 @@ def lm_report(result: dict, after: dict[str, float], items: LMItems, before: dic
     return report
 
 
-def calibration_facts(texts: LMTexts, nsamples: int, seqlen: int, paired: bool) -> dict[str, int]:
-    """What a run calibrated on: windows and their length, stereotype pairs, evaluation pairs."""
-    return {"nsamples": nsamples, "seqlen": seqlen, "pairs": len(texts.calib_pairs) if paired else 0,
-            "eval_pairs": len(texts.eval_pairs)}
+def calibration_facts(texts: LMTexts, nsamples: int, seqlen: int, paired: bool) -> dict[str, Any]:
+    """What a run calibrated on: windows and their length, the text they were drawn from (its name
+    or path as given, and its chat rows when it is chat data; None when the run drew no window),
+    stereotype pairs, evaluation pairs."""
+    facts: dict[str, Any] = {"nsamples": nsamples, "seqlen": seqlen, "text": texts.calib_name if nsamples else None}
+    if nsamples and isinstance(texts.calib_text, Chats):
+        facts["chat_rows"] = len(texts.calib_text)
+    return {**facts, "pairs": len(texts.calib_pairs) if paired else 0, "eval_pairs": len(texts.eval_pairs)}
 
 
 def evaluation_facts(ids: torch.Tensor, window: int, eval_tokens: int | None, eval_pairs: list, tokenizer=None) -> dict:
@@ -182,8 +187,9 @@ def prune_run(blocks, method: str, sparsity: Sparsity, output: str | Path, measu
               progress: bool = True) -> dict[str, Any]:
     """Prune ``blocks`` (in place, or block by block into ``output``) with ``method`` at
     ``sparsity``, measure, save and report (see the module docstring); ``config`` is written as the
-    run's ``config.yaml``. ``measuring``: the texts, the evaluation ids and the dense model's
-    figures, every run's reference (:func:`dense_of`). ``start_from``: what the run counts from
+    run's ``config.yaml``. ``measuring``: the texts (the calibration windows are drawn from the
+    text of ``sparsity``, :meth:`LMTexts.at`), the evaluation ids and the dense model's figures,
+    every run's reference (:func:`dense_of`). ``start_from``: what the run counts from
     (:class:`Start`), the prune it reuses, if any, the run's modifiers (a recipe's; None: those the
     flags name, ``method`` at ``sparsity`` then ``--quantize``) and where its :class:`Pruned`
     record goes."""
@@ -193,7 +199,7 @@ def prune_run(blocks, method: str, sparsity: Sparsity, output: str | Path, measu
     entry = registry.get(method, "lm")
     talk = progress and distributed.is_main()
     device = resolve_device(lm.device)
-    texts, tokenizer, ids, dense = measuring.texts, measuring.tokenizer, measuring.ids, measuring.dense
+    texts, tokenizer, ids, dense = measuring.texts.at(sparsity), measuring.tokenizer, measuring.ids, measuring.dense
     settings = {"blocksize": solver.blocksize, "percdamp": solver.percdamp}
     modifiers = start_from.modifiers or from_flags(method, sparsity, lm.quantize, lm.quant_group_size, settings)
     calibrates, reuse = entry.uses_data or any(m.calibrates for m in modifiers), start_from.reuse  # GPTQ: every method

@@ -24,7 +24,8 @@ import pandas as pd
 
 from fairprune import distributed
 from fairprune.causal.blocks import SaveOptions
-from fairprune.data.files import read_calib_text, read_text
+from fairprune.data.chats import read_calibration
+from fairprune.data.files import read_text
 from fairprune.data.prompts import read_prompts, split_prompts
 from fairprune.data.text import render_calib_text
 from fairprune.errors import UserError
@@ -76,7 +77,7 @@ def _prune_heads(lm: LMOptions, tokenizer, method: str, heads: HeadOptions, alph
     if shared.tasks is None:
         shared.tasks = lm_tasks(blocks, tokenizer, specs, lm, device, talk, dense=True)
     blocks.run_on(device)
-    scoring_text = render_calib_text(tokenizer, read_calib_text(lm.calib_text)) if lm.calib_text else None
+    scoring_text = render_calib_text(tokenizer, read_calibration(lm.calib_text)) if lm.calib_text else None
     eval_text = read_text(lm.eval_text) if lm.eval_text else None
     config = {"method": method, **asdict(lm), **asdict(heads), "alpha": alpha}
 

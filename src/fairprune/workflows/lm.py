@@ -3,7 +3,8 @@
 Shared by ``prune.py {magnitude,wanda,sparsegpt,debias-sparsegpt,evaluate,compare}``. Text defaults
 are the bundled corpus and the bundled paired stereotype set; real runs pass ``--calib_text`` (e.g.
 C4 shards as a text file), ``--eval_text`` (WikiText-2's raw test split) and ``--pairs``
-(StereoSet / CrowS-Pairs). See :mod:`fairprune.data.pairs` for the calibration / evaluation split.
+(StereoSet / CrowS-Pairs), and ``--calib_text_for`` a text of their own to the runs at a sparsity
+(``{"2:4": bundled:ultrachat}``). See :mod:`fairprune.data.pairs` for the calibration / evaluation split.
 
 The evaluation text is tokenized once per command (capped at ``--eval_tokens``) and the dense
 model's figures are obtained once: ``compare`` measures the dense model once for every method, and
@@ -69,7 +70,8 @@ def _open(lm: LMOptions, machine: MachineOptions, calibration: bool = True) -> t
     """The texts, the tokenizer and the model of an LM command as a block model, in memory or
     streamed (``--stream``, decided once here: :func:`fairprune.workflows.opened.stream_choice`)."""
     stream = stream_choice(lm)  # one line, --quiet or not: which way the run goes
-    texts = lm_texts(lm.calib_text if calibration else None, lm.eval_text, lm.pairs, lm.seed)
+    texts = (lm_texts(lm.calib_text, lm.eval_text, lm.pairs, lm.seed, lm.calib_text_for) if calibration
+             else lm_texts(None, lm.eval_text, lm.pairs, lm.seed))
     tokenizer = load_tokenizer(lm.model, lm.trust_remote_code)
     return texts, tokenizer, open_blocks(lm, stream), stream
 
@@ -108,6 +110,7 @@ def prune_lm(method: str, lm: LMOptions, output: str, sparsity: str = "0.5", nm:
     machine.apply()
     registry.get(method, "lm")
     sparsity = Sparsity.parse(nm or sparsity)  # a bad value fails before the model loads
+    lm.check_calib_text_for([sparsity], "--sparsity")
     config = _config(lm, machine, method=method, sparsity=str(sparsity), **asdict(solver))
     return _prune(method, sparsity, lm, output, solver, machine, config, Start(0.0, rss_start), start)
 
@@ -154,6 +157,7 @@ def prune_recipe(recipe: str, lm: LMOptions, output: str, solver: SolverOptions 
     if quantize is not None:  # the run's options say what the recipe does: checks, config and report agree
         lm = replace(lm, quantize=quantize.scheme, quant_group_size=quantize.group_size)
     method, sparsity = modifiers[0].name, modifiers[0].sparsity
+    lm.check_calib_text_for([sparsity], "the recipe")
     config = _config(lm, machine, method=method, sparsity=str(sparsity), recipe=recipe_of(modifiers), **asdict(solver))
     return _prune(method, sparsity, lm, output, solver, machine, config, Start(0.0, rss_start), start, modifiers)
 
@@ -235,7 +239,10 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     ``sparsegpt_0.5_w4a16``: the float row's pruned model quantized, or with ``-gptq`` or
     ``--stream`` the model pruned again the same way, then quantized; measured as loaded back),
     paired against the same baseline: with the method itself as the baseline, its quantized row's
-    difference is what quantization cost on top of pruning."""
+    difference is what quantization cost on top of pruning. With ``--calib_text_for`` (``{"2:4":
+    TEXT}``) the cells at a sparsity calibrate on that text instead of ``--calib_text``; each cell's
+    ``config.yaml`` names the text it calibrated on, so an earlier cell calibrated on another is
+    not reused."""
     start = time.perf_counter()
     machine.apply()
     for method in methods:
@@ -245,6 +252,7 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
         raise UserError(f"--baseline {baseline!r} is neither dense nor one of the compared methods ({', '.join(methods)}); "
                         "name one of them")
     sparsities = [Sparsity.parse(s) for s in sparsities]
+    lm.check_calib_text_for(sparsities)
     stray = sorted(set(lm.quantize_methods or ()) - set(methods))
     if stray:
         raise UserError(f"--quantize_methods names {', '.join(stray)}, which --methods does not compare "
@@ -267,8 +275,8 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
 
     def config_of(cell: Cell) -> dict[str, Any]:
         _, method, s, quantize = cell.key
-        return _config(replace(lm, quantize=quantize, quantize_methods=None), machine, method=method, sparsity=str(s),
-                       **asdict(solver))
+        return _config(replace(lm.at_sparsity(s), quantize=quantize, quantize_methods=None), machine, method=method,
+                       sparsity=str(s), **asdict(solver))
 
     def earlier(cell: Cell) -> tuple[dict[str, Any] | None, None]:
         return _earlier_lm_cell(cell.folder, config_of(cell), dense, specs is not None), None
@@ -292,7 +300,7 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
         if not opened:  # each later run opens the model again
             opened.append(open_blocks(lm, stream))
             load_seconds = time.perf_counter() - tick
-        run_lm = replace(lm, quantize=quantize, quantize_methods=None)
+        run_lm = replace(lm.at_sparsity(s), quantize=quantize, quantize_methods=None)
         config = config_of(cell)
         blocks = opened.pop()
         record: list = []
