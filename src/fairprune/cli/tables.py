@@ -158,7 +158,7 @@ def lm_table(folders: list[Path]) -> str:
 
 
 #: UnQover's abstention figures, the first the rows hold validly read (the three-answer cloze first).
-UNQOVER = ("unqover_cloze3/accuracy_amb", "unqover_letter_balanced/accuracy_amb", "unqover_letter/accuracy_amb")
+UNQOVER = ("unqover_cloze3/accuracy_amb", "unqover_letter_balanced/accuracy_amb")
 #: CrowS-Pairs' figure: the share of pairs whose stereotypical sentence is the more likely.
 CROWS = "crows_pairs_english/pct_stereotype"
 
@@ -253,13 +253,15 @@ SEED_RUNS = ("runs/demo/compare", "runs/demo_seed1/compare", "runs/demo_seed2/co
 #: Every generated table, by block name.
 BLOCKS: dict[str, Block] = {
     "demo-table": Block(SEED_RUNS[:1], vision_table,
-                        ("README.md", "docs/getting-started.md", "docs/reading-a-comparison.md", "docs/demo.md"),
-                        "make demo"),
+                        ("README.md", "docs/getting-started.md", "docs/reading-a-comparison.md", "docs/demo.md",
+                         "docs/reproducing.md"), "make demo"),
     "demo-seed1-table": Block(SEED_RUNS[1:2], vision_table, ("docs/demo.md",), "python -m fairprune.cli.demo --seed 1"),
     "demo-seed2-table": Block(SEED_RUNS[2:3], vision_table, ("docs/demo.md",), "python -m fairprune.cli.demo --seed 2"),
     "demo-seeds": Block(SEED_RUNS, seeds_table, ("docs/demo.md",),
                         "make demo and python -m fairprune.cli.demo --seed 1 (and 2)"),
     "demo-lm-table": Block(("runs/demo_lm",), lm_table, ("docs/guides/lm.md",), "make demo-lm"),
+    "sparsegpt-paper-table": Block(("runs/sparsegpt_paper",), lm_table, ("docs/reproducing.md",),
+                                   "python prune.py compare --config configs/compare/sparsegpt_paper.yaml"),
     "debias-paper-table": Block(("runs/debias_paper",), debias_paper_table, ("docs/reproducing.md",),
                                 "python prune.py compare --config configs/compare/debias_paper.yaml"),
 }

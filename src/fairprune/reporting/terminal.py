@@ -9,7 +9,7 @@ from __future__ import annotations
 import shutil
 import sys
 from collections.abc import Sequence
-from typing import TextIO
+from typing import Any, TextIO
 
 from fairprune.reporting.headline import CHANCE_MARK, INVALID_MARK, Cell, Column
 
@@ -137,3 +137,21 @@ def headline_markdown(columns: Sequence[Column], names: Sequence[str] | None = N
     # "[ ]: ..." at the start of a paragraph would read as a link reference definition: escaped.
     notes = [str(markdown_text(n)).replace("[ ]:", "\\[ \\]:") for n in notes]
     return "\n\n".join(["\n".join(lines), *notes]) + "\n"
+
+
+def task_lines(report: dict[str, Any]) -> list[str]:
+    """One line per headline task figure of a report: its value, 95 % interval, chance level (for
+    an accuracy) and, where the run cannot stand behind it, why."""
+    tasks = report.get("tasks") or {}
+    lines = []
+    for key, mark in (tasks.get("validity") or {}).items():
+        value, ci = report.get("metrics", {}).get(key), report.get("ci", {}).get(key)
+        if not isinstance(value, (int, float)):
+            continue
+        text = f"  {key} {value:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and None not in ci[:2] else "")
+        if mark.get("chance") is not None:
+            text += f" (chance {mark['chance']:.3f})"
+        if mark.get("invalid"):
+            text += f" — invalid: {mark['invalid']}"
+        lines.append(text)
+    return lines

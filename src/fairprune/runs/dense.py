@@ -227,7 +227,7 @@ def finish_evaluation(report: dict[str, Any], figures: DenseFigures, output: Any
     print(f"[evaluate] {model}: perplexity {report['metrics']['perplexity']:.2f}{ci_text(report, 'perplexity', '.2f')}, "
           f"stereotype score {report['metrics']['stereotype_score']:.3f}{ci_text(report, 'stereotype_score', '.3f')}, "
           f"sparsity {report['achieved_sparsity']:.4f}{cached}")
-    from fairprune.runs.tasks import task_lines
+    from fairprune.reporting.terminal import task_lines
 
     for line in task_lines(report):
         print(line)

@@ -129,20 +129,3 @@ def attach(report: dict[str, Any], results: TaskResults | None, dense: TaskResul
         reference.setdefault("ci", {}).update(task_intervals(dense.items))
         report.setdefault("paired", {"baseline": "dense"}).update(task_paired(results.items, dense.items))
 
-
-def task_lines(report: dict[str, Any]) -> list[str]:
-    """One line per headline task figure of a report: its value, 95 % interval, chance level (for
-    an accuracy) and, where the run cannot stand behind it, why."""
-    tasks = report.get("tasks") or {}
-    lines = []
-    for key, mark in (tasks.get("validity") or {}).items():
-        value, ci = report.get("metrics", {}).get(key), report.get("ci", {}).get(key)
-        if not isinstance(value, (int, float)):
-            continue
-        text = f"  {key} {value:.3f}" + (f" [{ci[0]:.3f}, {ci[1]:.3f}]" if ci and None not in ci[:2] else "")
-        if mark.get("chance") is not None:
-            text += f" (chance {mark['chance']:.3f})"
-        if mark.get("invalid"):
-            text += f" — invalid: {mark['invalid']}"
-        lines.append(text)
-    return lines
