@@ -209,17 +209,28 @@ def test_the_paper_config_parses_and_the_command_line_overrides_its_tasks():
     assert given.tasks == ["hellaswag", "mmlu"] and given.calib_text_for == written.calib_text_for
 
 
-def test_the_paper_config_runs_on_a_small_model(tiny, tmp_path):
-    """The config as written (its methods, sparsities, 2:4 text and baseline) on the tiny model,
-    the tasks overridden to one bundled task and every cap smaller."""
+def test_the_paper_config_runs_on_a_small_model(tiny, tmp_path, monkeypatch):
+    """The config as written (its methods, sparsities, 2:4 text, baseline and tasks, UnQover's among
+    them, on the bundled stand-ins) on the tiny model, every cap smaller; the paper's table from it."""
     import pandas as pd
 
+    from fairprune.cli.tables import debias_paper_table
+
+    monkeypatch.setenv("FAIRPRUNE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "paper"
     assert prune_main(["compare", "--config", str(ROOT / "configs" / "compare" / "debias_paper.yaml"),
-                       "--model", str(tiny / "dense"), "--eval_text", str(tiny / "eval.txt"), "--tasks", "[mmlu]",
-                       "--limit", "4", "--eval_seqlen", "32", "--output", str(out), *FAST]) == 0
+                       "--model", str(tiny / "dense"), "--eval_text", str(tiny / "eval.txt"),
+                       "--limit", "24", "--eval_seqlen", "32", "--output", str(out), *FAST]) == 0
     table = pd.read_csv(out / "comparison.csv")
     assert len(table) == 13 and set(table["sparsity"]) == {"0", "1:4", "2:4", "0.5"} and "mmlu/acc" in table
+    for figure in ("unqover_cloze3/accuracy_amb", "unqover_cloze3/mu", "unqover_letter_balanced/eta"):
+        assert figure in table, figure
+    # DTO reads UnQover's abstention, as the paper (the tiny model holds no valid knowledge figure, so no row has one)
+    assert json.loads((out / "report.json").read_text())["dto"]["abstention"] == "unqover_cloze3/accuracy_amb"
+    paper = debias_paper_table([out])
+    head = paper.splitlines()[0]
+    assert head.index("UnQover abstention") < head.index("DTO") < head.index("MMLU") < head.index("perplexity")
+    assert "unqover_" in paper.split("read from")[1] and paper.count("\n| ") >= 13
     for method in ("wanda", "sparsegpt", "debias-sparsegpt"):
         assert _report(out / f"{method}_2of4")["calibration"]["text"] == "bundled:ultrachat"
         assert _report(out / f"{method}_1of4")["calibration"]["text"] == "bundled corpus"
