@@ -70,11 +70,15 @@ def greedy(model, context: list[int], n: int) -> list[int]:
 def requests(model, vocab: int, longest: int, seed: int = 0) -> list:
     """Items of 1-12 answers after a shared context (one-token answers, long ones, a repeated
     request, the model's own greedy answer), some longer than ``longest + 1`` tokens together
-    (HFLM cuts them from the left), one exactly that long, shuffled."""
+    (HFLM cuts them from the left), one exactly that long; contexts that begin alike (a stem of 5,
+    12 or 30 tokens and 0-12 of their own: one context the start of others), shuffled."""
     rng = random.Random(seed)
+    stems = [[rng.randrange(vocab) for _ in range(n)] for n in (5, 12, 30)]
     made = []
-    for item in range(14):
+    for item in range(24):
         context = [rng.randrange(vocab) for _ in range(rng.choice([1, 3, 9, 20, 31, longest - 8, longest + 20]))]
+        if item >= 12:
+            context = stems[item % 3] + context[:(item // 3 - 4) * 4]
         answers = [[rng.randrange(vocab) for _ in range(rng.choice([1, 1, 2, 4, 7, 15]))] for _ in range(rng.choice([1, 3, 4, 12]))]
         answers.append(greedy(model, context[-(longest - 4):], rng.choice([1, 3])))
         if item == 0:
