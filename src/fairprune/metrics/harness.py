@@ -304,7 +304,8 @@ def run_tasks(model, tokenizer, specs: Sequence[TaskSpec], *, limit: float | Non
     forward reaches it (:meth:`fairprune.causal.streamed.StreamedModel.runnable`)."""
     import torch
     from lm_eval import simple_evaluate
-    from lm_eval.models.huggingface import HFLM
+
+    from fairprune.metrics.shared_context import SharedContextLM
 
     start = time.perf_counter()
     configs = [task_config(s.name, s.data, seed) if s.data else s.name for s in specs]
@@ -318,8 +319,8 @@ def run_tasks(model, tokenizer, specs: Sequence[TaskSpec], *, limit: float | Non
             # A tokenizer that adds a BOS gets it on every request, as on every window the project reads.
             from fairprune.data.text import bos_of
 
-            lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
-                      add_bos_token=True if bos_of(tokenizer) is not None else None)
+            lm = SharedContextLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device,
+                                 add_bos_token=True if bos_of(tokenizer) is not None else None)
             if streamed:  # HFLM takes a given model's device from its parameters: "meta" until a part is read
                 lm._device = torch.device(device)
             results = simple_evaluate(model=lm, tasks=configs, limit=limit, num_fewshot=num_fewshot, log_samples=True,
