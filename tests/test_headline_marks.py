@@ -248,6 +248,8 @@ def test_the_debias_paper_table_groups_by_pattern_in_the_papers_columns(tmp_path
                                             ("50 %", "sparsegpt"), ("50 %", "debias-sparsegpt")]
     dense, struck = body[0], body[4]
     assert dense[2] == "50.0" and dense[4] == "40.0" and dense[5] == "30.00 [29.0, 31.0]" and dense[8] == "62.0"
+    expected_bbq = [f"{r.metrics['bbq_ambig_cloze3/accuracy_amb'] * 100:.1f}" for r in rows if (r.method, r.sparsity) == ("dense", "0")]
+    assert dense[7] == expected_bbq[0]  # BBQ's own figure, in % once (not UnQover's, not scaled twice)
     assert struck[2] == "~~20.0~~ ✗" and struck[3] == "–"  # invalid: struck out, no DTO
     # DTO from MMLU and UnQover over the valid rows, as reporting.dto computes it, in the table's order.
     frame = pd.read_csv(tmp_path / "comparison.csv")

@@ -201,7 +201,7 @@ def debias_paper_table(folders: list[Path]) -> str:
     def held(candidates: tuple[str, ...]) -> str | None:  # the figure the most rows hold validly, else the first present
         return choose(rows, candidates) or next((c for c in candidates if c in table.columns), None)
 
-    unqover, bbq = held(UNQOVER), held(ABSTENTION)
+    unqover, bbq = held(UNQOVER), held(tuple(name for name in ABSTENTION if name.startswith("bbq_")))
     percent = table.copy()
     for name in (unqover, "mmlu/acc", "hellaswag/acc_norm", bbq, CROWS):
         for column in (name, f"{name}_chance"):
@@ -232,15 +232,15 @@ def debias_paper_table(folders: list[Path]) -> str:
 
 
 def _paper_dto(table, unqover: str | None):
-    """DTO as the paper reads it, from MMLU and UnQover abstention over these rows; without both,
-    the comparison's own DTO column (its note names the figures it read)."""
+    """DTO as the paper reads it, from MMLU and UnQover abstention over these rows; where fewer than
+    two rows hold both validly, the comparison's own DTO column (its note names the figures it read)."""
     from fairprune.reporting.dto import dto
     from fairprune.reporting.headline import Cell, Column, dto_column, number
 
     if unqover is None or "mmlu/acc" not in table.columns:
         return dto_column(table)
     distances, used = dto(table.to_dict(orient="records"), accuracy=("mmlu/acc",), abstention=(unqover,))
-    if used is None:
+    if used is None or all(d is None for d in distances):  # no two rows hold both validly: the comparison's own
         return dto_column(table)
     cells = [Cell(number(d)) if d is not None else Cell("–", why="a figure it reads is missing or invalid")
              for d in distances]
