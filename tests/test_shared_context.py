@@ -47,9 +47,9 @@ def tiny(model_type: str, tokenizer, positions: int = 512) -> tf.PreTrainedModel
     return tf.AutoModelForCausalLM.from_config(config).eval()
 
 
-def scorers(model, tokenizer, batch_size: int) -> tuple[HFLM, SharedContextLM]:
+def scorers(model, tokenizer, batch_size: int, **shared) -> tuple[HFLM, SharedContextLM]:
     common = dict(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device="cpu", add_bos_token=True)
-    return HFLM(**common), SharedContextLM(**common)
+    return HFLM(**common), SharedContextLM(**common, **shared)
 
 
 def assert_same(reference: list[tuple[float, bool]], got: list[tuple[float, bool]]) -> None:
@@ -92,12 +92,13 @@ def requests(model, vocab: int, longest: int, seed: int = 0) -> list:
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_each_request_equals_hflms(family, tokenizer):
-    """Hand-made requests, HFLM truncating some: the same answers at batch sizes 1, 5 and 16."""
+    """Hand-made requests, HFLM truncating some: the same answers at batch sizes 1, 5 and 16, the
+    answers' rows split by length (a CPU's setting) or not (an accelerator's)."""
     model = tiny(family, tokenizer, positions=64)
     made = requests(model, len(tokenizer), 64)
     assert any(len(c) + len(a) > 65 for _, c, a in made) and any(len(a) == 1 for _, _, a in made)
-    for batch_size in (1, 5, 16):
-        hflm, shared = scorers(model, tokenizer, batch_size)
+    for batch_size, forward_tokens in ((1, None), (5, None), (16, None), (16, 4096)):
+        hflm, shared = scorers(model, tokenizer, batch_size, forward_tokens=forward_tokens)
         reference = hflm._loglikelihood_tokens(made, disable_tqdm=True)
         assert_same(reference, shared._loglikelihood_tokens(made, disable_tqdm=True))
     assert any(r[1] for r in reference) and not all(r[1] for r in reference)  # both greedy flags occur

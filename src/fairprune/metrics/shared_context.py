@@ -15,7 +15,8 @@ forward runs the prefix once, the second each context's own tokens after it foll
 (once for all of a context's one-token answers). A context joins the group before it (in token
 order) only where that runs fewer tokens. Padding is masked: the prefixes are left-padded (each
 ends at the last column), what follows them right-padded, and every token gets the position it has
-in its own request.
+in its own request. On a CPU, where padding costs as much as a token, the second forward's rows are
+split by length where that saves more padding than a forward costs (:data:`FORWARD_TOKENS`).
 
 The figures are HFLM's: the same per-request ``(log-likelihood, is_greedy)`` in the same order, the
 same partial-cache entries and progress bar; what differs is floating-point rounding (other matrix
@@ -33,6 +34,7 @@ would count towards its window).
 
 from __future__ import annotations
 
+import copy
 import inspect
 from dataclasses import dataclass, field
 
@@ -47,6 +49,10 @@ Request = tuple[tuple[str, str] | None, list[int], list[int]]
 ROWS_PER_CONTEXT = 4
 #: Contexts whose first tokens agree read them once when they are at least this many.
 SHARED_PREFIX = 8
+#: The padding tokens a further forward of the answers' rows must save, by device type: the rows
+#: are split by length where that saves more (on a CPU padding costs as much as a token; on an
+#: accelerator a forward costs more than the padding of a batch).
+FORWARD_TOKENS = {"cpu": 32, "other": 4096}
 
 
 @dataclass
@@ -96,9 +102,10 @@ class SharedContextLM(HFLM):
     ``HFLM`` is. ``rows_per_context``: the rows of the answers' forward at most, as a multiple of
     ``batch_size`` (:data:`ROWS_PER_CONTEXT`)."""
 
-    def __init__(self, *args, rows_per_context: int = ROWS_PER_CONTEXT, **kwargs):
+    def __init__(self, *args, rows_per_context: int = ROWS_PER_CONTEXT, forward_tokens: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.rows_per_context = rows_per_context
+        self.forward_tokens = forward_tokens or FORWARD_TOKENS.get(self.device.type, FORWARD_TOKENS["other"])
 
     # -- what can be shared ---------------------------------------------------------------------
     def _forward_names(self) -> dict[str, str] | None:
@@ -221,8 +228,13 @@ class SharedContextLM(HFLM):
         cache = DynamicCache(config=self.model.config)
         last = self._call(names, 1, input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                           **{names["cache"]: cache})[:, 0]
-        rows = [(g, i, tokens) for g, group in enumerate(batch) for i, tokens in group.rows()]
-        after = self._rows(batch, rows, (cache, mask), names) if rows else None
+        rows = sorted(((g, i, tokens) for g, group in enumerate(batch) for i, tokens in group.rows()),
+                      key=lambda row: -len(row[2]))
+        after: list[torch.Tensor] = []
+        pieces = _split([len(tokens) for _, _, tokens in rows], self.forward_tokens)
+        for n, (start, end) in enumerate(pieces):  # each piece from the prefixes' cache as it is now
+            state = (cache if n == len(pieces) - 1 else copy.deepcopy(cache), mask)
+            after.extend(self._rows(batch, rows[start:end], state, names))
         row_of = {(g, i, tuple(tokens)): r for r, (g, i, tokens) in enumerate(rows)}
         out = []
         for g, group in enumerate(batch):
@@ -231,7 +243,7 @@ class SharedContextLM(HFLM):
                 for index, answer in zip(context.indices, context.answers):
                     parts = [] if own else [last[g:g + 1]]  # the prefix's last position scores the first token
                     if own or len(answer) > 1:
-                        parts.append(after[row_of[g, i, tuple(own + answer[:-1])], :len(answer) - len(parts)])
+                        parts.append(after[row_of[g, i, tuple(own + answer[:-1])]][:len(answer) - len(parts)])
                     out.append((index, _answer(torch.cat(parts), answer)))
         return out
 
@@ -273,6 +285,20 @@ def _common(a: list[int], b: list[int]) -> int:
             break
         n += 1
     return n
+
+
+def _split(lengths: list[int], forward: int) -> list[tuple[int, int]]:
+    """Cut rows of ``lengths`` (longest first) into runs, each padded to its first row's length,
+    for the fewest padded tokens plus ``forward`` per run (exact: every cut is tried)."""
+    best = [0] + [None] * len(lengths)
+    cut = [0] * (len(lengths) + 1)
+    for end in range(1, len(lengths) + 1):
+        best[end], cut[end] = min((best[start] + (end - start) * lengths[start] + forward, start) for start in range(end))
+    runs, end = [], len(lengths)
+    while end:
+        runs.append((cut[end], end))
+        end = cut[end]
+    return runs[::-1]
 
 
 def _pieces(context: _Context, most_rows: int) -> list[_Context]:
