@@ -16,7 +16,8 @@ forward runs the prefix once, the second each context's own tokens after it foll
 order) only where that runs fewer tokens. Padding is masked: the prefixes are left-padded (each
 ends at the last column), what follows them right-padded, and every token gets the position it has
 in its own request. On a CPU, where padding costs as much as a token, the second forward's rows are
-split by length where that saves more padding than a forward costs (:data:`FORWARD_TOKENS`).
+split by length where that saves more padding than a forward costs (:data:`FORWARD_TOKENS`; a
+streamed model, which reads its weights at each forward, splits them less).
 
 The figures are HFLM's: the same per-request ``(log-likelihood, is_greedy)`` in the same order, the
 same partial-cache entries and progress bar; what differs is floating-point rounding (other matrix
@@ -53,6 +54,10 @@ SHARED_PREFIX = 8
 #: are split by length where that saves more (on a CPU padding costs as much as a token; on an
 #: accelerator a forward costs more than the padding of a batch).
 FORWARD_TOKENS = {"cpu": 32, "other": 4096}
+#: How many times that for a streamed model (its parameters on ``meta``, each part read from its
+#: files as the forward reaches it): a forward of SmolLM2-135M streamed on a CPU takes what about
+#: 250 more tokens would.
+STREAMED_FORWARD = 8
 
 
 @dataclass
@@ -105,7 +110,7 @@ class SharedContextLM(HFLM):
     def __init__(self, *args, rows_per_context: int = ROWS_PER_CONTEXT, forward_tokens: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.rows_per_context = rows_per_context
-        self.forward_tokens = forward_tokens or FORWARD_TOKENS.get(self.device.type, FORWARD_TOKENS["other"])
+        self.forward_tokens = forward_tokens
 
     # -- what can be shared ---------------------------------------------------------------------
     def _forward_names(self) -> dict[str, str] | None:
@@ -132,6 +137,14 @@ class SharedContextLM(HFLM):
         local = window or getattr(config, "window_size", None) or getattr(config, "attention_chunk_size", None)
         return not local and set(getattr(config, "layer_types", None) or ["full_attention"]) == {"full_attention"}
 
+    def _forward_tokens(self) -> int:
+        """What a forward costs in padding tokens (``forward_tokens``, else :data:`FORWARD_TOKENS` of
+        the device, :data:`STREAMED_FORWARD` times that for a streamed model)."""
+        if self.forward_tokens:
+            return self.forward_tokens
+        streamed = any(p.device.type == "meta" for p in self.model.parameters())
+        return FORWARD_TOKENS.get(self.device.type, FORWARD_TOKENS["other"]) * (STREAMED_FORWARD if streamed else 1)
+
     def _shareable(self, request: Request) -> bool:
         _, context, answer = request
         return bool(context) and bool(answer) and len(context) + len(answer) <= self.max_length + 1
@@ -155,8 +168,9 @@ class SharedContextLM(HFLM):
                 entry = contexts.setdefault(tuple(context), _Context(list(context)))
                 entry.indices.append(i)
                 entry.answers.append(list(answer))
+        forward = self._forward_tokens()
         for batch in self._batches(list(contexts.values())):
-            for i, answer in self._score(batch, names):
+            for i, answer in self._score(batch, names, forward):
                 results[i] = answer
                 if requests[i][0] is not None:  # rolling windows (no request string) are cached by their caller
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], answer)
@@ -211,10 +225,11 @@ class SharedContextLM(HFLM):
                                f"logits_to_keep of shape {expected}: not transformers' slicing")
         return F.log_softmax(logits, dim=-1, dtype=self.softmax_dtype)
 
-    def _score(self, batch: list[_Group], names: dict[str, str]) -> list[tuple[int, tuple[float, bool]]]:
+    def _score(self, batch: list[_Group], names: dict[str, str], forward: int) -> list[tuple[int, tuple[float, bool]]]:
         """Every request of ``batch``'s contexts: ``(index, (log-likelihood, is_greedy))``. The
         prefixes run first (left-padded: each ends at the last column), then the rows of
-        :meth:`_Group.rows` from their cache."""
+        :meth:`_Group.rows` from their cache, longest first, in runs by length where a run saves
+        more than ``forward`` padding tokens."""
         from transformers import DynamicCache
 
         device = self.device
@@ -231,7 +246,7 @@ class SharedContextLM(HFLM):
         rows = sorted(((g, i, tokens) for g, group in enumerate(batch) for i, tokens in group.rows()),
                       key=lambda row: -len(row[2]))
         after: list[torch.Tensor] = []
-        pieces = _split([len(tokens) for _, _, tokens in rows], self.forward_tokens)
+        pieces = _split([len(tokens) for _, _, tokens in rows], forward)
         for n, (start, end) in enumerate(pieces):  # each piece from the prefixes' cache as it is now
             state = (cache if n == len(pieces) - 1 else copy.deepcopy(cache), mask)
             after.extend(self._rows(batch, rows[start:end], state, names))
