@@ -241,7 +241,9 @@ def _paper_dto(table, unqover: str | None):
         return dto_column(table)
     distances, used = dto(table.to_dict(orient="records"), accuracy=("mmlu/acc",), abstention=(unqover,))
     if used is None or all(d is None for d in distances):  # no two rows hold both validly: the comparison's own
-        return dto_column(table)
+        own = dto_column(table)
+        if own is not None or used is None:
+            return own
     cells = [Cell(number(d)) if d is not None else Cell("–", why="a figure it reads is missing or invalid")
              for d in distances]
     return Column("dto", "DTO", "DTO", cells, f"from mmlu/acc and {unqover}")
