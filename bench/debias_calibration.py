@@ -66,14 +66,14 @@ def prune_layerwise(model, method: str, sparsity, inputs, stat_type) -> float:
     from fairprune.causal.families import linear_weight
     from fairprune.pruning import registry
     from fairprune.pruning.calibration import run_layerwise
-    from fairprune.pruning.llm import solve_layer
+    from fairprune.pruning.llm import solve_layers
 
     entry, solve = registry.get(method, "lm"), [0.0]
     settings = {"blocksize": 128, "percdamp": 0.01}
 
     def prune(name, layer, stat):
         tick = time.perf_counter()
-        solve_layer(entry, layer, stat, sparsity, settings)
+        solve_layers(entry, [layer], stat, sparsity, settings)
         solve[0] += time.perf_counter() - tick
 
     run_layerwise(model, inputs, "cpu", lambda name, layer: stat_type(linear_weight(layer).shape[1]),

@@ -35,6 +35,12 @@ import torch
 OUT = Path(__file__).resolve().parent / "results" / "shared_context"
 TASKS = ("bbq_ambig_cloze3", "bbq_ambig_letter_balanced", "hellaswag", "mmlu", "bbq_ambig")
 TOLERANCE = 1e-4
+#: ``--second``: other families at SmolLM2-135M's shape (hidden 576, MLP 1536, 30 layers, 9 query and
+#: 3 key-value heads), so that the speed-up is checked on a second model.
+SECOND = {"qwen3": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                        num_key_value_heads=3, head_dim=64, tie_word_embeddings=True),
+          "gemma2": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, head_dim=64)}
 
 
 def task_instances(name: str, data: dict[str, str], limit: int):
@@ -85,6 +91,9 @@ def main() -> None:
     parser.add_argument("--batch_size", type=int, default=16)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU seconds mean something on a shared machine)")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS))
+    parser.add_argument("--second", choices=sorted(SECOND), default=None,
+                        help="a second model: that family built from its config at SmolLM2's size, random weights "
+                             "(seed 0), SmolLM2's tokenizer; results in shared_context_<family>.{json,md}")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -98,8 +107,17 @@ def main() -> None:
     from fairprune.metrics.shared_context import SharedContextLM
 
     folder = resolve_name(SMOLLM2)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    if args.second:
+        from transformers import AutoConfig
+
+        torch.manual_seed(0)
+        config = AutoConfig.for_model(args.second, vocab_size=len(tokenizer), **SECOND[args.second])
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        label, out = f"{args.second} (SmolLM2-135M's size, random weights)", OUT.with_name(f"{OUT.name}_{args.second}")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        label, out = SMOLLM2, OUT
     common = dict(pretrained=model, tokenizer=tokenizer, batch_size=args.batch_size, device="cpu",
                   add_bos_token=True if bos_of(tokenizer) is not None else None)
     data = bundled_data()
@@ -128,15 +146,16 @@ def main() -> None:
                              "largest_difference": worst, "figures": figures(tasks, got)}
             loads.append(os.getloadavg())
             print(name, f"x{results[name]['speedup']:.2f} (CPU x{results[name]['speedup_cpu']:.2f})", median, flush=True)
-    settings = {"model": SMOLLM2, "dtype": "float32", "device": "cpu", "limit": args.limit, "rounds": args.rounds,
+    settings = {"model": label, "dtype": "float32", "device": "cpu", "limit": args.limit, "rounds": args.rounds,
                 "batch_size": args.batch_size, "threads": args.threads, "cpus": os.cpu_count(), "load_average": loads,
                 "machine": platform.machine(), "python": platform.python_version(), "torch": torch.__version__,
                 "lm_eval": version("lm_eval"), "transformers": version("transformers"), "tolerance": TOLERANCE}
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.with_suffix(".json").write_text(json.dumps({"settings": settings, "tasks": results}, indent=1) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({"settings": settings, "tasks": results}, indent=1) + "\n")
     one_minute = [load[0] for load in loads]
     lines = ["# Shared-context scoring", "",
-             f"`python bench/shared_context.py --limit {args.limit} --rounds {args.rounds}` — {SMOLLM2} in float32 on "
+             f"`python bench/shared_context.py --limit {args.limit} --rounds {args.rounds}"
+             f"{f' --second {args.second}' if args.second else ''}` — {label} in float32 on "
              f"CPU, {args.threads} thread(s) of {settings['cpus']} cores, batch size {args.batch_size}; the first "
              f"{args.limit} documents of each bundled set; medians of {args.rounds} rounds, the two scorers taking "
              f"turns; load average {min(one_minute):.1f}–{max(one_minute):.1f} (a shared machine: the CPU-second "
@@ -150,7 +169,7 @@ def main() -> None:
         lines.append(f"| {name} | {found['requests']} | {found['contexts']} | {rps['HFLM']:.1f} | "
                      f"{rps['shared context']:.1f} | ×{found['speedup']:.2f} | {cps['HFLM']:.1f} | "
                      f"{cps['shared context']:.1f} | ×{found['speedup_cpu']:.2f} |")
-    OUT.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

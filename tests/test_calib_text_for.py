@@ -209,6 +209,7 @@ def test_the_paper_config_parses_and_the_command_line_overrides_its_tasks():
     assert given.tasks == ["hellaswag", "mmlu"] and given.calib_text_for == written.calib_text_for
 
 
+@pytest.mark.slow  # about 40 s; make test keeps the tests above and the paper table's in test_headline_marks
 def test_the_paper_config_runs_on_a_small_model(tiny, tmp_path, monkeypatch):
     """The config as written (its methods, sparsities, 2:4 text, baseline and tasks, UnQover's among
     them, on the bundled stand-ins) on the tiny model, every cap smaller; the paper's table from it."""

@@ -184,12 +184,15 @@ def test_sentence_log_likelihood_padding_and_direct(model, tokenizer):
     batched = sentence_log_likelihoods(model, tokenizer, sentences, batch_size=6)
     single = sentence_log_likelihoods(model, tokenizer, sentences, batch_size=1)
     torch.testing.assert_close(batched, single, rtol=1e-5, atol=1e-5)
-    ids = encode_sentence(tokenizer, sentences[-1])
-    assert ids[0] == tokenizer.eos_token_id
-    with torch.no_grad():
-        logp = model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
-    direct = sum(float(logp[t, ids[t + 1]]) for t in range(len(ids) - 1))
-    assert float(single[-1]) == pytest.approx(direct, rel=1e-6)
+    assert encode_sentence(tokenizer, sentences[-1])[0] == tokenizer.eos_token_id
+    # Each sentence's own forward, in the given order (the batches run them longest first).
+    for sentence, got_single, got_batched in zip(sentences, single.tolist(), batched.tolist()):
+        ids = encode_sentence(tokenizer, sentence)
+        with torch.no_grad():
+            logp = model(torch.tensor([ids])).logits[0].double().log_softmax(-1)
+        direct = sum(float(logp[t, ids[t + 1]]) for t in range(len(ids) - 1))
+        assert got_single == pytest.approx(direct, rel=1e-6)
+        assert got_batched == pytest.approx(direct, rel=1e-5)
     assert 0.0 <= stereotype_score(model, tokenizer, stereo_pairs()[:20]) <= 1.0
 
 

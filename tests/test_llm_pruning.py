@@ -378,6 +378,43 @@ def test_layers_reading_one_input_share_one_statistic(model_type):
             assert torch.equal(together[name].value(), apart[name].value()), (make.__name__, name)
 
 
+@pytest.mark.parametrize("spec", ["0.3", "0.5", "2:4"])
+def test_layers_stacked_by_rows_solve_as_each_alone(spec):
+    """``segments``: layers sharing a Hessian, solved stacked, are each layer's own solve bit for
+    bit, each with its own unstructured quota (uneven row counts, partial last block)."""
+    cols = 72
+    X = structured_inputs(200, cols)
+    H = 2 / len(X) * X.T @ X
+    g = torch.Generator().manual_seed(4)
+    parts = [torch.randn(rows, cols, generator=g) * scale for rows, scale in ((12, 1.0), (5, 30.0), (7, 0.01))]
+    alone = [sparsegpt_solve(W, H, Sparsity.parse(spec), blocksize=32) for W in parts]
+    stacked = sparsegpt_solve(torch.cat(parts), H, Sparsity.parse(spec), blocksize=32, segments=[12, 5, 7])
+    assert torch.equal(stacked, torch.cat(alone))
+    if spec != "2:4":  # the scales differ by 3000x: one quota over all rows would prune the small layer whole
+        for part in alone:
+            assert int((part == 0).sum()) == math.floor(float(spec) * part.numel())
+    with pytest.raises(ValueError, match="do not add up"):
+        sparsegpt_solve(torch.cat(parts), H, Sparsity.parse(spec), segments=[12, 5])
+
+
+@pytest.mark.parametrize("method", ["sparsegpt", "debias-sparsegpt"])
+@pytest.mark.parametrize("model_type", sorted(SHARED))
+def test_pruning_solves_shared_layers_together_as_each_alone(model_type, method, monkeypatch):
+    """A block's layers that share a Hessian (q, k, v; gate, up) are solved together: the pruned
+    model is the one each layer's own solve gives, bit for bit."""
+    from fairprune.pruning.registry import Method
+
+    ids = calib(4, 16)
+    kwargs = {"pairs": (ids, calib(4, 16, seed=3))} if method == "debias-sparsegpt" else {"calib_ids": ids}
+    together = build(model_type)
+    prune_causal_lm(together, method, HALF, progress=False, **kwargs)
+    monkeypatch.setattr(Method, "select_takes", lambda self, name: False)
+    apart = build(model_type)
+    prune_causal_lm(apart, method, HALF, progress=False, **kwargs)
+    for (name, a), b in zip(together.state_dict().items(), apart.state_dict().values()):
+        assert torch.equal(a, b), name
+
+
 # --------------------------------------------------------------------------------------------
 # Every family end to end
 # --------------------------------------------------------------------------------------------

@@ -424,6 +424,7 @@ def test_two_ranks_stream_tiny_models_bit_for_bit(tmp_path, one_thread):
         assert torch.equal(two[run]["nll"], want["nll"]) and torch.equal(two[run]["count"], want["count"]), run
 
 
+@pytest.mark.slow  # about 40 s; make test keeps test_two_ranks_stream_tiny_models_bit_for_bit
 def test_streamed_cli_under_torchrun_matches_one_process(tiny_lm, tmp_path, one_thread):
     """``prune.py sparsegpt --stream true`` on two ranks writes, from rank 0 alone, the folder and
     figures one streamed process writes (bit for bit), and reports each rank's peak memory;

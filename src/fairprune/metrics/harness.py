@@ -1,8 +1,10 @@
 """Zero-shot and bias yardsticks through lm-evaluation-harness, on the model already in memory.
 
 lm-eval (``lm_eval``) is the evaluation engine: a run hands it the loaded model and tokenizer
-(``HFLM(pretrained=model, tokenizer=tokenizer)``) and the tasks named by ``--tasks``, and keeps its
-per-sample outputs (``log_samples``). The project's figures, their bootstrap intervals and the
+as lm-eval's own HF model (:class:`~fairprune.metrics.shared_context.SharedContextLM`, an ``HFLM``
+built as ``HFLM(pretrained=model, tokenizer=tokenizer)`` is, which reads each context once and
+scores its answers from the context's key/value cache: HFLM's figures, rounding aside) and the
+tasks named by ``--tasks``, and keeps its per-sample outputs (``log_samples``). The project's figures, their bootstrap intervals and the
 paired differences between models are computed from those per-sample outputs
 (:class:`TaskItems`), by the aggregation rules of each task as lm-eval defines them (a test checks
 them against lm-eval's own aggregates).

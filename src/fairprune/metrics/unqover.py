@@ -34,21 +34,15 @@ from typing import Any
 
 import numpy as np
 
+from fairprune.metrics.choices import softmax, tied_best
+
 #: A unit's four questions in order: (slot, question) = (0, q0), (0, q1), (1, q0), (1, q1).
 SLOTS = ((0, 0), (0, 1), (1, 0), (1, 1))
 
 
-def probabilities(lls: Sequence[float]) -> list[float]:
-    """The softmax of log-likelihoods."""
-    top = max(lls)
-    weights = [math.exp(ll - top) for ll in lls]
-    total = math.fsum(weights)
-    return [w / total for w in weights]
-
-
 def abstained(p: Sequence[float]) -> float:
     """The expected abstention of picking one of the most probable answers uniformly."""
-    picked = [j for j in range(len(p)) if p[j] == max(p)]
+    picked = tied_best(p)
     return float(2 in picked) / len(picked)
 
 
@@ -68,7 +62,7 @@ def question_probabilities(values: Iterable[Mapping[str, Any]]) -> dict[tuple[in
             continue
         mass = [[], [], []]
         for value in found.values():
-            for letter, p in enumerate(probabilities(value["lls"])):
+            for letter, p in enumerate(softmax(value["lls"])):
                 mass[value["order"][letter]].append(p)
         out[key] = {**first, "p": [math.fsum(m) / orders for m in mass],
                     "letters": [int(np.argmax(found[r]["lls"])) for r in sorted(found)]}

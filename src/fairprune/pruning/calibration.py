@@ -153,11 +153,19 @@ class Modifying(pipeline.Step):
         experts.finish(self.tokens)
 
     def change(self, index: int, block: nn.Module) -> None:
+        # Units that read one input share one Statistics (_collecting): each modifier changes them
+        # together (Modifier.apply_shared), in the block's order otherwise.
+        runs: list[tuple[Statistics | None, list[tuple[str, nn.Module]]]] = []
         for name, unit in self.units(index, block).items():
             group = self.stats.pop(name, None)
-            for position, modifier in enumerate(self.modifiers):
-                modifier.apply(name, unit, None if group is None else group.stats[position])
+            if group is not None and runs and runs[-1][0] is group:
+                runs[-1][1].append((name, unit))
+            else:
+                runs.append((group, [(name, unit)]))
         self.stats = {}
+        for group, units in runs:
+            for position, modifier in enumerate(self.modifiers):
+                modifier.apply_shared(units, None if group is None else group.stats[position])
 
     def emit(self, index: int, block: nn.Module) -> None:
         if self.after is not None:

@@ -31,7 +31,7 @@ from fairprune.errors import UserError
 from fairprune.hub.checks import nonfinite
 from fairprune.pruning.calibration import PAIR_BATCH, modify, rank_inputs
 from fairprune.pruning.masks import Target, achieved_sparsity, sparsity_table
-from fairprune.pruning.modifiers import Modifier, from_flags, magnitude_solve, solve_layer  # noqa: F401 (the registry names magnitude_solve here)
+from fairprune.pruning.modifiers import Modifier, from_flags, magnitude_solve, solve_layers  # noqa: F401 (the registry names magnitude_solve here)
 from fairprune.pruning.options import SolverOptions
 from fairprune.pruning.registry import Method
 from fairprune.pruning.sparsity import Sparsity

@@ -36,19 +36,30 @@ from fairprune.pruning.select import magnitude, n_m, top_k
 from fairprune.pruning.sparsity import Sparsity
 
 
-def solve_layer(entry: Any, layer: nn.Module, stat, sparsity: Sparsity, settings: dict) -> None:
-    """Prune one layer in place from its statistic (None for a weights-only method): the value is
-    taken and the statistic let go before the solve, so its sums are gone when the solver's
-    buffers come (pass it straight from its container, holding no other reference). Collective
-    under ``torchrun``: every rank solved from the same reduced statistics; rank 0's result makes
-    them identical."""
+def solve_layers(entry: Any, layers: list[nn.Module], stat, sparsity: Sparsity, settings: dict) -> None:
+    """Prune ``layers`` in place from their statistic (None for a weights-only method); several
+    layers read one input and share it (a Llama block's q, k and v projections). Where the method's
+    solve takes ``segments`` (SparseGPT's), they are solved as one, their weights stacked by rows,
+    each keeping its own quota: each layer's own solve exactly, one inverse Hessian for all; else
+    one after another. The value is taken and the statistic let go before the solve, so its sums
+    are gone when the solver's buffers come (pass it straight from its container, holding no other
+    reference). Collective under ``torchrun``: every rank solved from the same reduced statistics;
+    rank 0's result makes them identical."""
+    if len(layers) > 1 and not (stat is not None and entry.hessian and entry.select_takes("segments")):
+        for layer in layers:
+            solve_layers(entry, [layer], stat, sparsity, settings)
+        return
+    weights = [linear_weight(layer) for layer in layers]
     if stat is None and entry.statistic is not None:  # an expert no calibration token reached
-        W = magnitude_solve(linear_weight(layer), None, sparsity)
+        W = magnitude_solve(weights[0], None, sparsity)
     else:
         value = None if stat is None else stat.value()
         stat = None
-        W = entry.select(linear_weight(layer), value, sparsity, **settings)
-    set_linear_weight(layer, distributed.broadcast(W.contiguous()))
+        stacked = {"segments": [len(w) for w in weights]} if len(weights) > 1 else {}
+        W = entry.select(torch.cat(weights) if stacked else weights[0], value, sparsity, **stacked, **settings)
+    W = distributed.broadcast(W.contiguous())
+    for layer, part in zip(layers, W.split([len(w) for w in weights])):
+        set_linear_weight(layer, part)
 
 
 def magnitude_solve(W: torch.Tensor, _: None, sparsity: Sparsity, **__) -> torch.Tensor:
@@ -83,6 +94,12 @@ class Modifier:
         """Change ``unit`` (named ``"<block>.<path>"``) in place from its statistic (None: it
         collected none, or no calibration token reached the unit)."""
 
+    def apply_shared(self, units: list[tuple[str, nn.Module]], stat: Any) -> None:
+        """Change ``units`` ((name, unit) pairs that read one input and so share ``stat``): by
+        default each as :meth:`apply` does."""
+        for name, unit in units:
+            self.apply(name, unit, stat)
+
     def facts(self) -> dict[str, Any]:
         """What it did, for the run's result."""
         return {}
@@ -111,11 +128,15 @@ class Prune(Modifier):
         return self.entry.make_statistic(linear_weight(unit).shape[1], device=device)
 
     def apply(self, name, unit, stat):
-        self.before.extend(sparsity_table([Target(name, unit)]))
+        self.apply_shared([(name, unit)], stat)
+
+    def apply_shared(self, units, stat):
+        targets = [Target(name, unit) for name, unit in units]
+        self.before.extend(sparsity_table(targets))
         tick = time.perf_counter()
-        solve_layer(self.entry, unit, stat, self.sparsity, self.settings)
+        solve_layers(self.entry, [unit for _, unit in units], stat, self.sparsity, self.settings)
         self.seconds += time.perf_counter() - tick
-        self.after.extend(sparsity_table([Target(name, unit)]))
+        self.after.extend(sparsity_table(targets))
 
     def facts(self) -> dict[str, Any]:
         total = sum(r["numel"] for r in self.after)

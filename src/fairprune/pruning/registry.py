@@ -110,6 +110,12 @@ class Method:
         """Call the method's selection (or, for an LM method, its layer solve)."""
         return _resolve(self.selection)(*args, **kwargs)
 
+    def select_takes(self, name: str) -> bool:
+        """Whether the method's selection (its LM layer solve) takes a parameter ``name``."""
+        import inspect
+
+        return name in inspect.signature(_resolve(self.selection)).parameters
+
     def select_channels(self, *args: Any, **kwargs: Any) -> Any:
         """Call the method's channel selection (vision, channel granularity)."""
         default = {"per-layer": f"{_CHANNELS}:per_group", "global": f"{_CHANNELS}:global_"}.get(self.scope)

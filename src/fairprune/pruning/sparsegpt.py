@@ -32,8 +32,10 @@ N ranks get one process's Hessian, so its masks and weights, bit for bit.
 
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
+from collections.abc import Sequence
 
 import torch
 
@@ -161,14 +163,23 @@ def sparsegpt_solve(
     sparsity: Sparsity,
     blocksize: int = 128,
     percdamp: float = 0.01,
+    segments: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Prune ``W`` [out, in] against Hessian ``H`` [in, in]; return the updated copy in H's dtype.
 
     ``sparsity``: a fraction (unstructured; exactly ``floor(fraction·out·in)`` weights are
     removed) or N:M (N of every M consecutive input columns per output row), see
     :class:`~fairprune.pruning.sparsity.Sparsity`. Zeros of the result are the mask.
+
+    ``segments``: ``W`` is several layers that read the same input (so share ``H``) stacked by
+    rows, of these row counts; each keeps its own unstructured quota, chosen among its own
+    weights. A row's solve reads only that row and ``H``, so the result is each layer's own solve,
+    bit for bit, with one inverse Hessian and one pass over the columns for all of them.
     """
     rows, cols = W.shape
+    bounds = list(itertools.accumulate(segments or [rows], initial=0))
+    if bounds[-1] != rows:
+        raise ValueError(f"segments {list(segments or [])} do not add up to the {rows} rows of W")
     nm = sparsity.nm
     if nm is not None:
         n, m = nm
@@ -183,27 +194,32 @@ def sparsegpt_solve(
     W[:, dead] = 0
     Hinv = inverse_hessian_cholesky(H, percdamp)
 
+    # Column by column, as the paper's algorithm goes, on W's transpose: a column is then one
+    # contiguous row, so each step's few element-wise operations run on contiguous memory (the
+    # same operations on the same values as on W itself: the same bits, about 1.5x faster).
+    WT = W.t().contiguous()
     for i1 in range(0, cols, blocksize):
         i2 = min(i1 + blocksize, cols)
-        W1, Hinv1 = W[:, i1:i2].clone(), Hinv[i1:i2, i1:i2]
+        W1, Hinv1 = WT[i1:i2].clone(), Hinv[i1:i2, i1:i2]
         d = Hinv1.diagonal()
         Err1 = torch.zeros_like(W1)
         # mask1: True = prune (the complement of the keep masks from fairprune.pruning.select).
         if nm is None:
-            # Cumulative floor so the layer total is exact whatever the block widths.
-            k = math.floor(fraction * rows * i2) - math.floor(fraction * rows * i1)
-            mask1 = ~top_k(W1**2 / d**2, W1.numel() - k)
+            mask1 = torch.empty_like(W1, dtype=torch.bool)
+            for r0, r1 in zip(bounds, bounds[1:]):  # per layer: cumulative floor, exact whatever the block widths
+                k = math.floor(fraction * (r1 - r0) * i2) - math.floor(fraction * (r1 - r0) * i1)
+                part = W1[:, r0:r1]
+                mask1[:, r0:r1] = ~top_k((part**2 / d[:, None] ** 2).t(), part.numel() - k).t()
         else:
             mask1 = torch.zeros_like(W1, dtype=torch.bool)
         for i in range(i2 - i1):
             if nm is not None and i % m == 0:
-                mask1[:, i : i + m] = ~n_m(W1[:, i : i + m] ** 2 / d[i : i + m] ** 2, n, m)
-            w = W1[:, i]
-            q = w.masked_fill(mask1[:, i], 0)
-            err = (w - q) / d[i]
-            W1[:, i:] -= err.unsqueeze(1) * Hinv1[i, i:].unsqueeze(0)
-            W1[:, i] = q  # exact zeros (the update leaves rounding residue)
-            Err1[:, i] = err
-        W[:, i1:i2] = W1
-        W[:, i2:] -= Err1 @ Hinv[i1:i2, i2:]  # lazy update of the columns after this block
-    return W
+                mask1[i : i + m] = ~n_m((W1[i : i + m] ** 2 / d[i : i + m, None] ** 2).t(), n, m).t()
+            w, err = W1[i], Err1[i]
+            torch.div(w.masked_fill(~mask1[i], 0), d[i], out=err)  # (w - q) / d, q the kept part of w
+            W1[i:].sub_(Hinv1[i, i:, None] * err[None, :])
+            w.masked_fill_(mask1[i], 0)  # exact zeros (the update leaves rounding residue)
+        WT[i1:i2] = W1
+        for r0, r1 in zip(bounds, bounds[1:]):  # lazy update of the columns after this block, per layer:
+            WT[i2:, r0:r1] -= Hinv[i1:i2, i2:].t() @ Err1[:, r0:r1]  # a product's rounding follows its shape
+    return WT.t().contiguous()

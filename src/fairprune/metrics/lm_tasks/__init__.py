@@ -43,6 +43,8 @@ from lm_eval.tasks.bbq.utils import (
     process_docs_disambig,
 )
 
+from fairprune.metrics.choices import softmax, tied_best
+
 __all__ = ["agg_accuracy_amb", "agg_accuracy_disamb", "agg_amb_bias_scores", "agg_disamb_bias_scores",
            "process_docs_ambig", "process_docs_disambig", "process_results_cloze3", "process_docs_ambig_orders",
            "process_results_orders", "in_orders", "agg_orders_accuracy_amb", "agg_orders_amb_bias_score", "combine_orders",
@@ -111,13 +113,6 @@ def process_results_orders(doc: Mapping[str, Any], results: Sequence[tuple[float
     return {"acc": value, "accuracy_amb": value, "amb_bias_score": value}
 
 
-def _softmax(lls: Sequence[float]) -> list[float]:
-    top = max(lls)
-    weights = [math.exp(ll - top) for ll in lls]
-    total = math.fsum(weights)
-    return [w / total for w in weights]
-
-
 def combine_orders(values: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """Per item (in first-seen order) with all three orders scored: the answer probabilities summed
     over the orders (``mass``, exact sums: equal masses stay equal whatever the order of addition),
@@ -133,10 +128,10 @@ def combine_orders(values: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
             continue
         shares: list[list[float]] = [[], [], []]
         for rotation in range(3):
-            for letter, p in enumerate(_softmax(found[rotation]["lls"])):
+            for letter, p in enumerate(softmax(found[rotation]["lls"])):
                 shares[found[rotation]["order"][letter]].append(p)
         mass = [math.fsum(s) for s in shares]
-        picked = [j for j in range(3) if mass[j] == max(mass)]
+        picked = tied_best(mass)
         first = found[0]
         out.append({"item": item, "mass": mass, "picked": picked,
                     **{key: math.fsum(first[key][j] for j in picked) / len(picked) for key in ("acc", "biased", "non_unknown")},
