@@ -301,3 +301,18 @@ def test_a_run_without_a_gpu_does_not_import_triton():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.split() == ["None", "None", "False", "(1,", "3,", "50)"]
+
+
+def test_lm_commands_do_not_import_lightning():
+    """The LM workflows (prune, recipe, evaluate, compare's LM cells) and head pruning run no
+    Trainer: importing them leaves Lightning, torchmetrics and what they pull in (torchvision,
+    matplotlib) unloaded, which keeps a streamed run's memory at its import floor."""
+    import subprocess
+    import sys
+
+    heavy = ("lightning", "torchmetrics", "torchvision", "matplotlib")
+    code = ("import sys\nimport fairprune.workflows.lm, fairprune.workflows.heads, fairprune.runs.lm\n"
+            f"print(sorted(name for name in {heavy!r} if name in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

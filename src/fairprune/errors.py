@@ -60,6 +60,15 @@ class Stopped(BaseException):
         return None
 
 
+def stop_in(err: BaseException, place: str, advice: str) -> None:
+    """Raise ``err`` as a :class:`Stopped` of ``place`` (a compare's cell) with ``advice`` when it
+    is a stop; return when it is not (the caller raises it as it is). Here, beside :class:`Stopped`,
+    so that an LM run, which has no Trainer, does not import Lightning for it."""
+    stop = Stopped.behind(err)
+    if stop is not None:
+        raise Stopped(stop.cause, f"{stop.where} of {place}" if stop.where else f"in {place}", advice) from None
+
+
 def suggest(name: str, choices: Iterable[str], n: int = 3) -> str:
     """Return ' (did you mean: a, b?)' for the closest names, or '' when none is close."""
     close = difflib.get_close_matches(name, list(dict.fromkeys(choices)), n=n, cutoff=0.5)

@@ -120,11 +120,3 @@ def stops_reported(trainer: L.Trainer, resume: str | None = "--ckpt_path") -> It
         if stop is None or stop.where:
             raise
         raise stopped(trainer, stop.cause, resume) from None
-
-
-def stop_in(err: BaseException, place: str, advice: str) -> None:
-    """Raise ``err`` as a :class:`Stopped` of ``place`` (a compare's cell) with ``advice`` when it
-    is a stop; return when it is not (the caller raises it as it is)."""
-    stop = Stopped.behind(err)
-    if stop is not None:
-        raise Stopped(stop.cause, f"{stop.where} of {place}" if stop.where else f"in {place}", advice) from None

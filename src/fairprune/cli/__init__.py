@@ -42,7 +42,7 @@ def fit_threads() -> str | None:
     """On a machine other processes keep busy, run as many torch threads as there are idle cores
     (at least one) and let OpenMP's waiting threads sleep (``OMP_WAIT_POLICY=PASSIVE``), so torch
     neither fights those processes for cores nor spins on them: on two cores beside one busy process,
-    OpenMP's defaults made a SparseGPT block 2.4× slower than one thread (``bench/shared_machine.py``).
+    OpenMP's defaults made a SparseGPT block and shared-context scoring 2.2× and 2.1× slower than one thread (``bench/shared_machine.py``).
     An idle machine keeps torch's and OpenMP's defaults, which are fastest there. Returns what was
     chosen (also in ``$FAIRPRUNE_THREADS_CHOSEN``), None when nothing was changed."""
     if any(name in os.environ for name in ("OMP_NUM_THREADS", "OMP_WAIT_POLICY")):

@@ -11,7 +11,7 @@
    SparseGPT's pruned model rounded to nearest, not pruned again, written as the pack-quantized
    folder plain transformers loads and measured as loaded back, paired against SparseGPT's float
    model) (``configs/compare/lm_smollm2.yaml``: small calibration and evaluation caps so the
-   whole demo takes about five minutes on two idle cores once the model is converted, less when
+   whole demo takes under five minutes on two idle cores once the model is converted, less when
    an earlier run left the dense model's figures in the cache). The headline shows DTO and the abstention and knowledge figures it reads;
    a figure a run marks invalid (a letter task answered with one letter, a task at chance) is
    struck out and left out of DTO.

@@ -35,10 +35,9 @@ from typing import Any
 import torch
 
 from fairprune import distributed
-from fairprune.callbacks.signals import stop_in
 from fairprune.causal.blocks import zero_fraction
 from fairprune.data.pairs import LMTexts, lm_texts
-from fairprune.errors import UserError
+from fairprune.errors import UserError, stop_in
 from fairprune.hub import load_tokenizer
 from fairprune.memory import peak_rss_bytes
 from fairprune.metrics.bootstrap import lm_intervals, lm_paired

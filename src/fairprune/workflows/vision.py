@@ -28,8 +28,8 @@ from fairprune.callbacks.progress import ProgressBar
 from fairprune.callbacks.pruning import IterativePruning
 from fairprune.callbacks.report import ReportWriter
 from fairprune.callbacks.saving import atomic_checkpoints
-from fairprune.callbacks.signals import CheckpointOnStop, stop_in, stops_reported
-from fairprune.errors import UserError
+from fairprune.callbacks.signals import CheckpointOnStop, stops_reported
+from fairprune.errors import UserError, stop_in
 from fairprune.metrics.bootstrap import bootstrap
 from fairprune.models.deploy import deploy_report, input_shape_of, slower_than_dense
 from fairprune.reporting.plots import plot_error_rate_changes, plot_group_shares
