@@ -206,8 +206,14 @@ def test_bad_input_is_one_line(args, needle, trained, tmp_path, capsys, small_ev
 
 
 def test_missing_model_path_is_one_line(tmp_path, capsys):
-    assert prune_main(["magnitude", "--model", str(tmp_path / "nothing"), "--output", str(tmp_path / "o")]) == 2
-    assert "does not exist" in capsys.readouterr().err.strip().splitlines()[-1]
+    """A --model folder that is not there: the error line alone (no word of streaming before it)."""
+    for stream in ("auto", "true", "false"):
+        assert prune_main(["magnitude", "--model", str(tmp_path / "nothing"), "--output", str(tmp_path / "o"),
+                           "--stream", stream]) == 2
+        out = capsys.readouterr()
+        assert out.err.strip().splitlines() == [f"error: model path '{tmp_path / 'nothing'}' does not exist; give a "
+                                                "folder written by save_pretrained or a hub name"]
+        assert out.out.strip() == "" and not (tmp_path / "o").exists()
 
 
 def test_fasp_command_and_head_compare(trained, tmp_path, small_eval):

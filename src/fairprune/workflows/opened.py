@@ -21,7 +21,7 @@ import math
 from fairprune import distributed
 from fairprune.causal.blocks import Resident
 from fairprune.errors import UserError
-from fairprune.hub import load_model, resolve_name
+from fairprune.hub import check_local_path, load_model, resolve_name
 from fairprune.memory import available_bytes, return_freed_memory
 from fairprune.pruning.options import LMOptions
 
@@ -46,7 +46,9 @@ def _streamable_bytes(lm: LMOptions) -> int | None:
 
 def stream_choice(lm: LMOptions, talk: bool = True) -> bool:
     """Whether the run streams (``--stream``; ``auto`` as the module docstring says, the same
-    answer on every rank: rank 0's). ``talk``: print the choice ``auto`` made."""
+    answer on every rank: rank 0's). ``talk``: print the choice ``auto`` made. A local path that is
+    not there is refused first, so its error line is all the run prints."""
+    check_local_path(lm.model)
     if isinstance(lm.stream, bool):
         return lm.stream
     answer, why = False, ""
