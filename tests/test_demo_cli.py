@@ -46,3 +46,14 @@ def test_bad_options_are_one_line(args, message):
     run = subprocess.run([sys.executable, "-m", "fairprune.cli.demo", *args], capture_output=True, text=True)
     assert run.returncode == 2 and message in run.stderr
     assert len(run.stderr.strip().splitlines()) == 1 and "Traceback" not in run.stderr
+
+
+def test_demo_lm_names_the_folder_the_compare_wrote():
+    """``demo_lm``'s last line names the table where the compare wrote it: ``--output`` given to
+    the demo (the last one, either spelling) moves it."""
+    from fairprune.cli.demo_lm import OUTPUT, _output
+
+    assert _output([]) == OUTPUT and _output(["--dtype", "bfloat16"]) == OUTPUT
+    assert _output(["--dtype", "bfloat16", "--output", "runs/bf16"]) == "runs/bf16"
+    assert _output(["--output=runs/a", "--output", "runs/b"]) == "runs/b"
+    assert _output(["--output", "runs/a", "--output=runs/c"]) == "runs/c"

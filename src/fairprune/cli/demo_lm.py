@@ -33,6 +33,17 @@ COMPARE_CONFIG = "configs/compare/lm_smollm2.yaml"
 OUTPUT = "runs/demo_lm"
 
 
+def _output(extra: list[str]) -> str:
+    """The folder the compare wrote: the last ``--output`` among the extra arguments, else the demo's."""
+    found = OUTPUT
+    for at, arg in enumerate(extra):
+        if arg == "--output" and at + 1 < len(extra):
+            found = extra[at + 1]
+        elif arg.startswith("--output="):
+            found = arg.split("=", 1)[1]
+    return found
+
+
 def main(args: list[str] | None = None) -> int:
     """Extra arguments go to ``prune.py compare`` (e.g. ``--threads 4`` or ``--device cuda``)."""
     start = time.perf_counter()
@@ -45,10 +56,11 @@ def main(args: list[str] | None = None) -> int:
     print(f"[demo-lm 1/2] ready: {folder} ({time.perf_counter() - start:.0f} s so far)", flush=True)
     print("[demo-lm 2/2] SparseGPT, Debias-SparseGPT, Wanda, magnitude at 50 % (SparseGPT also in 4-bit), with "
           "lm-eval's yardsticks ...", flush=True)
-    status = prune_main(["compare", "--config", COMPARE_CONFIG, "--output", OUTPUT, *(sys.argv[1:] if args is None else args)])
+    extra = sys.argv[1:] if args is None else args
+    status = prune_main(["compare", "--config", COMPARE_CONFIG, "--output", OUTPUT, *extra])
     if status:
         return status
-    print(f"[demo-lm] done in {time.perf_counter() - start:.0f} s; table: {OUTPUT}/comparison.md")
+    print(f"[demo-lm] done in {time.perf_counter() - start:.0f} s; table: {_output(extra)}/comparison.md")
     return 0
 
 
