@@ -26,7 +26,7 @@ from fairprune.pruning.llm import magnitude_solve, prune_causal_lm
 from fairprune.pruning.options import SolverOptions
 from fairprune.pruning.sparsity import Sparsity
 from test_llm_pruning import obs_oracle
-from tiny_models import BUILDERS, MOE_SPECS, VOCAB, moe_folder, moe_model
+from tiny_models import BUILDERS, MIXED_MOE_SPECS, MOE_SPECS, VOCAB, moe_folder, moe_model
 
 FAST = ["--nsamples", "4", "--seqlen", "32", "--eval_tokens", "256", "--device", "cpu", "--quiet", "true",
         "--dense_cache", "false"]
@@ -37,18 +37,24 @@ def _texts(root) -> list[str]:
 
 
 def _per_expert(folder) -> dict[tuple[str, int], list[int]]:
-    """(experts module, expert) -> [zeros, numel] over the written tensors, read with safetensors alone."""
+    """(decoder layer, expert) -> [zeros, numel] over the written tensors, read with safetensors
+    alone: Mixtral's experts.<e>.w1 / w2 / w3, or an expert's slice of each 3-D parameter
+    (``experts.gate_up_proj``, GraniteMoE's ``input_linear.weight`` / ``output_linear.weight``)."""
     out: dict[tuple[str, int], list[int]] = {}
     for key, t in load_file(str(folder / "model.safetensors")).items():
         if "shared" in key or key.endswith("bias"):
             continue
-        listed = re.search(r"^(.*\.experts)\.(\d+)\.", key)
+        within = re.match(r"^(.*?layers\.\d+)\.", key)
+        if within is None:  # embeddings, final norm, head
+            continue
+        layer = within.group(1)
+        listed = re.search(r"\.experts\.(\d+)\.", key)
         if listed:
-            z = out.setdefault((listed.group(1), int(listed.group(2))), [0, 0])
+            z = out.setdefault((layer, int(listed.group(1))), [0, 0])
             z[0], z[1] = z[0] + int((t == 0).sum()), z[1] + t.numel()
         elif t.dim() == 3:
             for e in range(t.shape[0]):
-                z = out.setdefault((key.rsplit(".", 1)[0], e), [0, 0])
+                z = out.setdefault((layer, e), [0, 0])
                 z[0], z[1] = z[0] + int((t[e] == 0).sum()), z[1] + t[e].numel()
     return out
 
@@ -269,3 +275,49 @@ def test_a_renamed_checkpoint_streams_and_writes_what_transformers_loads(tmp_pat
     a, b = (tf.AutoModelForCausalLM.from_pretrained(outs[s]).eval() for s in ("false", "true"))
     with torch.no_grad():
         assert torch.equal(a(ids).logits, b(ids).logits)
+
+
+@pytest.mark.parametrize("family", sorted(MIXED_MOE_SPECS))
+def test_blocks_of_two_kinds_are_pruned_each_by_its_own_layers(tmp_path, family):
+    """A model whose first block has a dense MLP and whose second routes through experts: every
+    layer of each block pruned (the dense MLP and the attention at 0.5, every expert at least
+    0.49, the router left dense), the report equal to the files, streamed equal to in-memory."""
+    folder = moe_folder(tmp_path, family, **MIXED_MOE_SPECS[family])
+    runs = {}
+    for stream in ("false", "true"):
+        runs[stream] = tmp_path / f"s{stream}"
+        assert prune_main(["sparsegpt", "--model", folder, "--sparsity", "0.5", "--stream", stream, "--output",
+                           str(runs[stream]), *FAST, *_texts(tmp_path)]) == 0
+    a, b = (load_file(str(runs[s] / "model.safetensors")) for s in ("false", "true"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+    dense_mlp = {k: t for k, t in a.items() if k.startswith("model.layers.0.mlp.") and t.dim() == 2}
+    assert len(dense_mlp) >= 3 and not any(".experts" in k for k in dense_mlp)  # layer 0 holds no experts
+    assert all(float((t == 0).float().mean()) == pytest.approx(0.5, abs=0.01) for t in dense_mlp.values()), \
+        {k: float((t == 0).float().mean()) for k, t in dense_mlp.items()}
+    experts = _per_expert(runs["false"])
+    assert {layer for layer, _ in experts} == {"model.layers.1"} and len(experts) == 4
+    assert all(z / n >= 0.49 for z, n in experts.values()), experts
+    report = json.loads((runs["false"] / "report.json").read_text())
+    by_kind = report["sparsity"]["by_kind"]
+    assert by_kind["mlp"]["sparsity"] == pytest.approx(0.5, abs=0.01)
+    assert by_kind["experts"]["sparsity"] == pytest.approx(sum(z for z, _ in experts.values()) /
+                                                         sum(n for _, n in experts.values()))
+    assert by_kind["router"]["pruned_numel"] == 0 and report["achieved_sparsity"] == pytest.approx(0.5, abs=0.01)
+    streamed = json.loads((runs["true"] / "report.json").read_text())
+    assert streamed["sparsity"]["by_kind"] == by_kind and streamed["metrics"] == report["metrics"]
+
+
+def test_merged_layer_orders_keep_every_kinds_order():
+    """The layers of blocks of several kinds, one list: every kind's forward order a subsequence,
+    every name once (an oracle that checks the subsequence property directly)."""
+    from fairprune.causal.structure import merge_orders
+
+    kinds = [["q", "k", "v", "o", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"],
+             ["q", "k", "v", "o", "mlp.gate", "shared.gate_proj", "shared.up_proj", "shared.down_proj"],
+             ["q", "k", "v", "o", "mlp.gate", "mlp.gate_proj", "extra"]]
+    merged = merge_orders(kinds)
+    assert sorted(merged) == sorted({n for kind in kinds for n in kind})
+    for kind in kinds:
+        positions = [merged.index(n) for n in kind]
+        assert positions == sorted(positions), (kind, merged)
+    assert merge_orders([kinds[0]]) == tuple(kinds[0])

@@ -56,12 +56,26 @@ MOE_SPECS: dict[str, dict[str, Any]] = {
     "qwen2_moe": dict(_MOE_SHAPE, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32),
     "olmoe": dict(_MOE_SHAPE, num_experts=4),
     "gpt_oss": dict(_MOE_SHAPE, num_local_experts=4, head_dim=16, layer_types=["sliding_attention", "full_attention"]),
+    "granitemoe": dict(_MOE_SHAPE, num_local_experts=4),
+    "phimoe": dict(_MOE_SHAPE, num_local_experts=4),
+}
+#: Mixture-of-experts families whose blocks are of two kinds: the first layer's MLP dense, the
+#: second's routed through experts (DeepSeek-V3's and GLM-4.5's ``first_k_dense_replace``,
+#: Qwen2-MoE's ``mlp_only_layers``); DeepSeek-V3's attention is MLA (low-rank key / value). The
+#: fields a :func:`moe_model` call adds to the family's row (or to the common shape).
+MIXED_MOE_SPECS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": dict(num_key_value_heads=4, n_routed_experts=4, moe_intermediate_size=32,
+                        n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1, q_lora_rank=None,
+                        kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16),
+    "glm4_moe": dict(n_routed_experts=4, moe_intermediate_size=32, n_shared_experts=1,
+                     first_k_dense_replace=1, n_group=1, topk_group=1, head_dim=16),
+    "qwen2_moe": dict(mlp_only_layers=[0]),
 }
 
 
 def moe_model(model_type: str, vocab: int = VOCAB, **overrides: Any) -> tf.PreTrainedModel:
     """The tiny ``model_type`` mixture-of-experts model (seed torch first), from its config."""
-    fields = {**MOE_SPECS[model_type], "vocab_size": vocab, **overrides}
+    fields = {**MOE_SPECS.get(model_type, _MOE_SHAPE), "vocab_size": vocab, **overrides}
     return tf.AutoModelForCausalLM.from_config(tf.AutoConfig.for_model(model_type, **fields))
 
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from fairprune.causal.structure import LINEAR_TYPES, Structure, discover, find_blocks
+from fairprune.causal.structure import LINEAR_TYPES, Structure, discover, find_blocks, linear_names, merge_orders
 from fairprune.errors import UserError
 
 
@@ -64,6 +64,7 @@ class Family:
     # read block by block runs last. Empty for an encoder.
     tail: tuple[str, ...] | None = None
     returns_tuple: bool = False  # a block returns (hidden, ...) rather than the hidden states
+    mixed: bool = False  # blocks of several kinds (dense and expert MLPs): each holds some of ``linears``
 
     @property
     def has_heads(self) -> bool:
@@ -100,8 +101,12 @@ class Family:
         return [m for m in found if m is not None] + [model.get_output_embeddings()]
 
     def block_linears(self, block: nn.Module) -> dict[str, nn.Module]:
-        """The prunable ``nn.Linear`` / ``Conv1D`` layers of one block, by relative name."""
-        return {path: _get(block, path) for path in self.linears}
+        """The prunable ``nn.Linear`` / ``Conv1D`` layers of one block, by relative name (of a model
+        whose blocks differ, those of ``linears`` the block has)."""
+        if not self.mixed:
+            return {path: _get(block, path) for path in self.linears}
+        found = ((path, _get(block, path, missing_ok=True)) for path in self.linears)
+        return {path: layer for path, layer in found if isinstance(layer, LINEAR_TYPES)}
 
     def block_units(self, block: nn.Module) -> dict[str, nn.Module]:
         """What the LM methods prune in one block, by relative name: its linear layers but the
@@ -199,14 +204,15 @@ def family_of(model: nn.Module, load=None, device="cpu") -> Family:
 def _merged(row: Family | None, model: nn.Module, found: Structure) -> Family:
     row = row or generic_heads(model, found)
     fields = {k: getattr(found, k) for k in _STRUCTURE if getattr(row, k) is None}
-    return replace(row, **fields, returns_tuple=found.returns_tuple)
+    return replace(row, **fields, returns_tuple=found.returns_tuple, mixed=found.mixed)
 
 
 def _static(model: nn.Module) -> Structure:
     """The blocks and their linear layers without running the model (module order; no front or tail)."""
     path, blocks = find_blocks(model)
-    linears = tuple(n for n, m in blocks[0].named_modules() if isinstance(m, LINEAR_TYPES))
-    return Structure(blocks=path, front=(), tail=(), linears=linears, returns_tuple=False)
+    orders = list(dict.fromkeys(tuple(linear_names(block)) for block in blocks))  # each kind once, in block order
+    return Structure(blocks=path, front=(), tail=(), linears=merge_orders([list(o) for o in orders]),
+                     returns_tuple=False, mixed=len(orders) > 1)
 
 
 def generic_heads(model: nn.Module, found: Structure) -> Family:

@@ -14,7 +14,11 @@ The LM pipeline sees a causal LM as *front → blocks → tail → head*. For an
   ``project_out``) is the tail, in order. A module that runs *between* blocks means the model is
   not a plain chain of blocks, and it is refused;
 - **the prunable layers**: every ``nn.Linear`` / ``Conv1D`` of a block, in the order the block's
-  forward calls them (block 0 runs for real inside the skeleton forward, with hooks on its layers);
+  forward calls them (the first block of each kind runs for real inside the skeleton forward, with
+  hooks on its layers). Blocks may differ in their layers: DeepSeek-V3 and GLM-4.5 keep their first
+  layers' MLP dense and route the others through experts, Qwen2-MoE's ``mlp_only_layers`` names
+  its dense ones. The layers of every kind are merged into one list that keeps each
+  kind's own order, and each block's layers are those of the list it has;
 - **how a block returns**: a tensor (most families in transformers 5) or a tuple whose first item
   is the hidden states (GPT-Neo); stubs must hand the model's loop what it expects.
 
@@ -51,8 +55,9 @@ class Structure:
     blocks: str
     front: tuple[str, ...]
     tail: tuple[str, ...]
-    linears: tuple[str, ...]  # relative to one block, in forward order
+    linears: tuple[str, ...]  # relative to a block, in forward order (every kind's, merged)
     returns_tuple: bool
+    mixed: bool = False  # blocks of more than one kind: a block holds some of ``linears``
 
 
 @dataclass
@@ -139,9 +144,9 @@ def discover(model: nn.Module, load: Callable[..., Any] | None = None, device="c
               if n and id(m) not in inside and m is not layer_list and m is not head and not path.startswith(n + ".")]
     phase = ["front"]
     seen: dict[str, list[tuple[str, nn.Module]]] = {"front": [], "between": [], "tail": []}
-    order: list[str] = []
     returned: list[bool] = []
-    real_forward = type(blocks[0]).forward
+    kinds = _kinds(blocks)  # the first block of each kind: its index -> its linear layers' names
+    orders: dict[int, list[str]] = {index: [] for index in kinds}
 
     def note(name):
         def hook(module, args):
@@ -154,9 +159,13 @@ def discover(model: nn.Module, load: Callable[..., Any] | None = None, device="c
 
     def stub(index, args, kwargs):
         phase[0] = "between"
-        if index == 0:
-            out = real_forward(blocks[0], *args, **kwargs)
-            returned.append(isinstance(out, (tuple, list)))
+        if index in kinds:
+            out = type(blocks[index]).forward(blocks[index], *args, **kwargs)
+            if not returned:
+                returned.append(isinstance(out, (tuple, list)))
+            elif index:  # a later kind runs for its layers' order only: the chain goes on as the stubs pass it
+                out = args[0] if args else kwargs["hidden_states"]
+                out = (out,) if returned[0] else out
         else:
             out = args[0] if args else kwargs["hidden_states"]
             out = (out,) if returned[0] else out
@@ -164,16 +173,18 @@ def discover(model: nn.Module, load: Callable[..., Any] | None = None, device="c
             phase[0] = "tail"
         return out
 
-    linears = {id(m): n for n, m in blocks[0].named_modules() if isinstance(m, LINEAR_TYPES)}
-
-    def called(module, args):
-        if linears[id(module)] not in order:
-            order.append(linears[id(module)])
+    def called(index, name):
+        def hook(module, args):
+            if name not in orders[index]:
+                orders[index].append(name)
+        return hook
 
     handles = [m.register_forward_pre_hook(note(n)) for n, m in others]
-    handles += [m.register_forward_pre_hook(called) for m in blocks[0].modules() if id(m) in linears]
+    handles += [m.register_forward_pre_hook(called(index, n)) for index, names in kinds.items()
+                for n, m in blocks[index].named_modules() if n in names]
     handles.append(head.register_forward_pre_hook(stop))
-    loader = load(*[m for _, m in _outermost(others)], blocks[0], device=device) if load else contextlib.nullcontext()
+    firsts = [blocks[index] for index in kinds]
+    loader = load(*[m for _, m in _outermost(others)], *firsts, device=device) if load else contextlib.nullcontext()
     try:
         with loader, stubbed(blocks, stub):
             try:
@@ -196,20 +207,42 @@ def discover(model: nn.Module, load: Callable[..., Any] | None = None, device="c
                         "model whose layers follow one another (add a row to fairprune.causal.families.FAMILIES to override)")
     front = tuple(n for n, m in _outermost(seen["front"]) if _has_state(m))
     tail = tuple(n for n, _ in _outermost(seen["tail"]))
-    _check_alike(model, blocks, set(linears.values()))
-    return Structure(blocks=path, front=front, tail=tail, linears=tuple(order), returns_tuple=returned[0])
+    return Structure(blocks=path, front=front, tail=tail, linears=merge_orders(list(orders.values())),
+                     returns_tuple=returned[0], mixed=len(kinds) > 1)
 
 
 def _has_state(module: nn.Module) -> bool:
     return any(True for _ in module.parameters()) or any(True for _ in module.buffers())
 
 
-def _check_alike(model: nn.Module, blocks: list[nn.Module], names: set[str]) -> None:
-    for index, block in enumerate(blocks[1:], 1):
-        mine = {n for n, m in block.named_modules() if isinstance(m, LINEAR_TYPES)}
-        if mine != names:
-            raise UserError(f"{_name(model)}: decoder layer {index} has other linear layers than layer 0 "
-                            f"({sorted(mine ^ names)[:3]}); the LM methods need layers of one kind")
+def linear_names(block: nn.Module) -> list[str]:
+    """A block's ``nn.Linear`` / ``Conv1D`` layers, by relative name, in module order."""
+    return [n for n, m in block.named_modules() if isinstance(m, LINEAR_TYPES)]
+
+
+def _kinds(blocks: list[nn.Module]) -> dict[int, set[str]]:
+    """The first block of each kind (the set of its linear layers' names): its index -> that set."""
+    found: dict[int, set[str]] = {}
+    for index, block in enumerate(blocks):
+        names = set(linear_names(block))
+        if names not in found.values():
+            found[index] = names
+    return found
+
+
+def merge_orders(orders: list[list[str]]) -> tuple[str, ...]:
+    """One list holding every name of ``orders``, each order a subsequence of it: a name new to the
+    list goes right after the name before it in its own order (first kind's order first)."""
+    merged: list[str] = []
+    for order in orders:
+        at = -1
+        for name in order:
+            if name in merged:
+                at = merged.index(name)
+            else:
+                at += 1
+                merged.insert(at, name)
+    return tuple(merged)
 
 
 @torch.no_grad()
