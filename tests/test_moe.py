@@ -26,7 +26,7 @@ from fairprune.pruning.llm import magnitude_solve, prune_causal_lm
 from fairprune.pruning.options import SolverOptions
 from fairprune.pruning.sparsity import Sparsity
 from test_llm_pruning import obs_oracle
-from tiny_models import BUILDERS, MIXED_MOE_SPECS, MOE_SPECS, VOCAB, moe_folder, moe_model
+from tiny_models import BUILDERS, LLAMA4, MIXED_MOE_SPECS, MOE_SPECS, VOCAB, moe_folder, moe_model
 
 FAST = ["--nsamples", "4", "--seqlen", "32", "--eval_tokens", "256", "--device", "cpu", "--quiet", "true",
         "--dense_cache", "false"]
@@ -321,3 +321,25 @@ def test_merged_layer_orders_keep_every_kinds_order():
         positions = [merged.index(n) for n in kind]
         assert positions == sorted(positions), (kind, merged)
     assert merge_orders([kinds[0]]) == tuple(kinds[0])
+
+
+def test_experts_fed_routed_tokens_are_refused_by_calibrated_methods_and_pruned_by_magnitude(tmp_path, capsys):
+    """Llama 4's experts module takes every token already scaled by its router score, so no
+    expert's own inputs can be told apart: SparseGPT (as every calibrated method) is refused in
+    one line before any work, nothing written; magnitude prunes the dense MLP, every expert and the
+    attention to the target and leaves the router dense."""
+    folder = moe_folder(tmp_path, "llama4_text", **LLAMA4)
+    out = tmp_path / "sgpt"
+    assert prune_main(["sparsegpt", "--model", folder, "--sparsity", "0.5", "--output", str(out),
+                       *FAST, *_texts(tmp_path)]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("error: llama4_text: its experts module") and "prune.py magnitude" in last
+    assert not out.exists()
+    out = tmp_path / "mag"
+    assert prune_main(["magnitude", "--model", folder, "--sparsity", "0.5", "--output", str(out),
+                       *FAST, *_texts(tmp_path)]) == 0
+    experts = _per_expert(out)
+    assert {layer for layer, _ in experts} == {"model.layers.1"} and len(experts) == 4
+    assert all(z / n == pytest.approx(0.5, abs=0.01) for z, n in experts.values()), experts
+    by_kind = json.loads((out / "report.json").read_text())["sparsity"]["by_kind"]
+    assert by_kind["mlp"]["sparsity"] == pytest.approx(0.5, abs=0.01) and by_kind["router"]["pruned_numel"] == 0

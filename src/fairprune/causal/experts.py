@@ -154,6 +154,20 @@ def _eager(module: nn.Module):
     return getattr(forward, "__wrapped__", forward)
 
 
+def check_routed(block: nn.Module, model_type: str = "this model") -> None:
+    """Refuse, in one line, a block whose experts module takes its tokens already routed (Llama 4's
+    ``forward(hidden_states)``: every token to every expert, scaled by its router score) rather than
+    the router's choice (``forward(hidden_states, top_k_index, top_k_weights)``), which the
+    expert-by-expert calibration reads."""
+    for fused in fused_experts(block):
+        module = block.get_submodule(fused.module) if fused.module else block
+        if len(inspect.signature(_eager(module)).parameters) < 4:
+            raise UserError(f"{model_type}: its experts module ({type(module).__name__}) takes tokens already routed "
+                            "(forward(hidden_states)), not the router's choice (hidden states, expert indices, weights) "
+                            "that calibrating each expert reads, so the calibrated methods cannot prune its experts; "
+                            "prune it with magnitude (prune.py magnitude), which reads no inputs")
+
+
 class ExpertInputs:
     """Records each expert's inputs while a block runs (see the module docstring).
 
@@ -165,6 +179,7 @@ class ExpertInputs:
     def __init__(self, block: nn.Module, mode: str):
         if mode not in MOE_CALIBRATE:
             raise ValueError(f"moe_calibrate must be one of {MOE_CALIBRATE}, got {mode!r}")
+        check_routed(block)
         self.block, self.mode = block, mode
         self.fused = fused_experts(block)
         self.modules = {f.module for f in self.fused}

@@ -85,6 +85,16 @@ def _check_quantize(blocks, lm: LMOptions) -> None:
         check_groups(linear_layers(blocks.layers()), lm.quant_group_size)
 
 
+def _check_experts(blocks, methods: list[str]) -> None:
+    """Experts a calibrated method could not calibrate (:func:`fairprune.causal.experts.check_routed`),
+    refused before any work; magnitude reads no inputs and prunes them."""
+    if any(registry.get(method, "lm").statistic is not None for method in methods):
+        from fairprune.causal.experts import check_routed
+
+        for block in blocks.blocks:
+            check_routed(block, str(getattr(blocks.model.config, "model_type", "this model")))
+
+
 def _config(lm: LMOptions, machine: MachineOptions, **fields: Any) -> dict[str, Any]:
     return {**fields, **asdict(lm), **asdict(machine)}
 
@@ -121,6 +131,7 @@ def _prune(method: str, sparsity: Sparsity, lm: LMOptions, output: str, solver: 
     texts, tokenizer, blocks, _ = _open(lm, machine)
     check_pattern_fits(blocks.model, sparsity)  # N:M against the layer widths, before the dense model is measured
     _check_quantize(blocks, lm)
+    _check_experts(blocks, [method])
     check_free_space(output, blocks.saved_bytes(tokenizer))  # a full disk is found now, not after the work
     load_seconds = time.perf_counter() - start
     measuring = dense_of(blocks, tokenizer, texts, lm, machine.progress, specs)
@@ -261,6 +272,7 @@ def compare_lm(lm: LMOptions, methods: list[str], sparsities: list[str | float |
     for s in sparsities:  # every N:M pattern must fit the layer widths before the first run
         check_pattern_fits(blocks.model, s)
     _check_quantize(blocks, lm)
+    _check_experts(blocks, methods)
     cells = _cells(output, methods, sparsities, lm)
     check_free_space(output, blocks.saved_bytes(tokenizer) * len(cells))
     load_seconds = time.perf_counter() - start
