@@ -26,7 +26,7 @@ from fairprune.pruning.llm import magnitude_solve, prune_causal_lm
 from fairprune.pruning.options import SolverOptions
 from fairprune.pruning.sparsity import Sparsity
 from test_llm_pruning import obs_oracle
-from tiny_models import BUILDERS, LLAMA4, MIXED_MOE_SPECS, MOE_SPECS, VOCAB, moe_folder, moe_model
+from tiny_models import BUILDERS, LFM2, LLAMA4, MIXED_MOE_SPECS, MOE_SPECS, VOCAB, moe_folder, moe_model
 
 FAST = ["--nsamples", "4", "--seqlen", "32", "--eval_tokens", "256", "--device", "cpu", "--quiet", "true",
         "--dense_cache", "false"]
@@ -343,3 +343,21 @@ def test_experts_fed_routed_tokens_are_refused_by_calibrated_methods_and_pruned_
     assert all(z / n == pytest.approx(0.5, abs=0.01) for z, n in experts.values()), experts
     by_kind = json.loads((out / "report.json").read_text())["sparsity"]["by_kind"]
     assert by_kind["mlp"]["sparsity"] == pytest.approx(0.5, abs=0.01) and by_kind["router"]["pruned_numel"] == 0
+
+
+def test_a_convolution_kernel_is_no_stack_of_experts(tmp_path):
+    """LFM2's short-convolution block holds a 3-D ``Conv1d`` kernel: it is not taken for fused
+    experts (no expert calibration, no ``experts`` in the report); the attention and MLP layers of
+    both kinds of block are pruned, the kernel listed as left dense (``other``)."""
+    folder = moe_folder(tmp_path, "lfm2", **LFM2)
+    out = tmp_path / "out"
+    assert prune_main(["sparsegpt", "--model", folder, "--sparsity", "0.5", "--output", str(out),
+                       *FAST, *_texts(tmp_path)]) == 0
+    sparsity = json.loads((out / "report.json").read_text())["sparsity"]
+    assert "experts" not in sparsity["by_kind"] and "experts" not in sparsity
+    assert sparsity["by_kind"]["attention"]["sparsity"] == pytest.approx(0.5, abs=0.01)
+    assert sparsity["by_kind"]["mlp"]["sparsity"] == pytest.approx(0.5, abs=0.01)
+    conv = [d for d in sparsity["left_dense"] if d["parameter"].endswith("conv.conv.weight")]
+    assert len(conv) == 1 and conv[0]["kind"] == "other"
+    written = load_file(str(out / "model.safetensors"))
+    assert float((written["model.layers.0.conv.in_proj.weight"] == 0).float().mean()) == pytest.approx(0.5, abs=0.01)

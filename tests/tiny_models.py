@@ -71,6 +71,9 @@ MIXED_MOE_SPECS: dict[str, dict[str, Any]] = {
                      first_k_dense_replace=1, n_group=1, topk_group=1, head_dim=16),
     "qwen2_moe": dict(mlp_only_layers=[0]),
 }
+#: LFM2: a short-convolution block (a ``Conv1d`` kernel, 3-D like fused experts but no stack of
+#: them) and an attention block; no experts.
+LFM2 = dict(num_key_value_heads=2, layer_types=["conv", "full_attention"])
 #: Llama 4: a dense MLP and an expert layer in turn (``interleave_moe_layer_step``), its experts
 #: module fed tokens already routed (calibrated methods refuse it; magnitude prunes it).
 LLAMA4 = dict(num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=1,

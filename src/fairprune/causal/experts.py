@@ -60,9 +60,12 @@ class Fused:
 
 
 def fused_experts(block: nn.Module) -> list[Fused]:
-    """The fused 3-D expert parameters of ``block``, in module order."""
+    """The fused 3-D expert parameters of ``block``, in module order (a convolution's 3-D kernel,
+    Mamba's or a short-convolution layer's ``Conv1d``, is no stack of experts)."""
     found = []
     for path, module in block.named_modules():
+        if isinstance(module, nn.modules.conv._ConvNd):
+            continue
         for leaf, param in module.named_parameters(recurse=False):
             if param.dim() == 3:
                 found.append(Fused(path, leaf, bool(getattr(module, "is_transposed", False))))

@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from fairprune.causal.experts import has_experts, is_router
+from fairprune.causal.experts import fused_experts, has_experts, is_router
 from fairprune.errors import UserError
 from fairprune.hub.conversion import checkpoint_names
 
@@ -41,14 +41,18 @@ REASONS = {
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
-def _kind(path: str, ndim: int, moe: bool) -> str:
+def _kind(path: str, fused: bool, moe: bool, conv: bool = False) -> str:
+    """The kind of the block parameter at ``path``: ``fused``, a fused expert parameter; ``conv``,
+    a convolution's kernel (Mamba's, a short-convolution layer's: ``other``)."""
     module = path.rpartition(".")[0]
     if is_router(module, moe):
         return "router"
     if "shared_expert" in path:
         return "shared_experts"
-    if ndim == 3 or ".experts." in f".{path}":
+    if fused or ".experts." in f".{path}":
         return "experts"
+    if conv:
+        return "other"
     if "attn" in path or "attention" in path:
         return "attention"
     return "mlp"
@@ -97,32 +101,34 @@ def measure_written(folder: str | Path, blocks) -> dict[str, Any]:
     module), ``left_dense`` and ``units`` (each pruned unit's sparsity, for :func:`check_written`)."""
     folder = Path(folder)
     reader = _reader(folder)
-    params: dict[str, tuple[str, torch.Size, str, str | None]] = {}  # name -> (path in block, shape, kind, reason)
+    params: dict[str, tuple[str, torch.Size, str, str | None, bool]] = {}  # name -> (path in block, shape, kind, reason, fused)
     for block in blocks.blocks:
         prefix = blocks.prefix(block)
         moe = has_experts(block)
+        fused_paths = {f.path for f in fused_experts(block)}
+        convs = {f"{n}.weight" for n, m in block.named_modules() if isinstance(m, torch.nn.modules.conv._ConvNd)}
         units = blocks.family.block_units(block)
         pruned = {f"{p}.weight" for p, u in units.items() if not hasattr(u, "fused")}
         pruned |= {u.fused.path for u in units.values() if hasattr(u, "fused")}
         for path, param in block.named_parameters():
             if param.dim() < 2:
                 continue
-            kind = _kind(path, param.dim(), moe)
+            kind = _kind(path, path in fused_paths, moe, path in convs)
             reason = None if path in pruned else "router" if kind == "router" else \
                 "bias" if path.endswith("bias") else "unreached"
-            params[prefix + path] = (path, param.shape, kind, reason)
+            params[prefix + path] = (path, param.shape, kind, reason, path in fused_paths)
     names = checkpoint_names(blocks.model, {n: v[1] for n, v in params.items()})
     by_kind: dict[str, dict[str, int]] = {}
     units: dict[str, list[int]] = {}  # unit -> [zeros, numel, columns]
     experts: dict[str, dict[int, list[int]]] = {}
     left = []
-    for name, (_path, shape, kind, reason) in params.items():
+    for name, (_path, shape, kind, reason, is_fused) in params.items():
         keys = [k for k in names[name] if k in reader] or ([name] if name in reader else [])
         if not keys:
             keys = [blocks.key(name)] if hasattr(blocks, "key") else []
         zeros = numel = 0
         for key in keys:
-            fused = shape[0] if len(shape) == 3 else None
+            fused = shape[0] if is_fused else None
             for expert, z, n, cols in _counts(reader.read(key), key, fused):
                 zeros, numel = zeros + z, numel + n
                 if reason is None:
@@ -130,7 +136,7 @@ def measure_written(folder: str | Path, blocks) -> dict[str, Any]:
                     u = units.setdefault(unit, [0, 0, cols])
                     u[0], u[1] = u[0] + z, u[1] + n
                 if expert is not None and kind == "experts":
-                    owner = name.rsplit(".", 1)[0] if len(shape) == 3 else name.split(".experts.")[0] + ".experts"
+                    owner = name.rsplit(".", 1)[0] if is_fused else name.split(".experts.")[0] + ".experts"
                     e = experts.setdefault(owner, {}).setdefault(expert, [0, 0])
                     e[0], e[1] = e[0] + z, e[1] + n
         entry = by_kind.setdefault(kind, {"zeros": 0, "numel": 0, "dense_zeros": 0, "dense_numel": 0})
