@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from fairprune.causal.structure import LINEAR_TYPES, Structure, discover, find_blocks, linear_names, merge_orders
+from fairprune.causal.structure import LINEAR_TYPES, Structure, block_kinds, discover, find_blocks, linear_names, merge_orders
 from fairprune.errors import UserError
 
 
@@ -210,9 +210,9 @@ def _merged(row: Family | None, model: nn.Module, found: Structure) -> Family:
 def _static(model: nn.Module) -> Structure:
     """The blocks and their linear layers without running the model (module order; no front or tail)."""
     path, blocks = find_blocks(model)
-    orders = list(dict.fromkeys(tuple(linear_names(block)) for block in blocks))  # each kind once, in block order
-    return Structure(blocks=path, front=(), tail=(), linears=merge_orders([list(o) for o in orders]),
-                     returns_tuple=False, mixed=len(orders) > 1)
+    kinds = block_kinds(blocks)
+    return Structure(blocks=path, front=(), tail=(), linears=merge_orders([linear_names(blocks[i]) for i in kinds]),
+                     returns_tuple=False, mixed=len(kinds) > 1)
 
 
 def generic_heads(model: nn.Module, found: Structure) -> Family:

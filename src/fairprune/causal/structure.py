@@ -145,7 +145,7 @@ def discover(model: nn.Module, load: Callable[..., Any] | None = None, device="c
     phase = ["front"]
     seen: dict[str, list[tuple[str, nn.Module]]] = {"front": [], "between": [], "tail": []}
     returned: list[bool] = []
-    kinds = _kinds(blocks)  # the first block of each kind: its index -> its linear layers' names
+    kinds = block_kinds(blocks)  # the first block of each kind: its index -> its linear layers' names
     orders: dict[int, list[str]] = {index: [] for index in kinds}
 
     def note(name):
@@ -159,14 +159,11 @@ def discover(model: nn.Module, load: Callable[..., Any] | None = None, device="c
 
     def stub(index, args, kwargs):
         phase[0] = "between"
-        if index in kinds:
+        if index in kinds:  # block 0 and the first of every other kind run for real (their layers' order)
             out = type(blocks[index]).forward(blocks[index], *args, **kwargs)
-            if not returned:
-                returned.append(isinstance(out, (tuple, list)))
-            elif index:  # a later kind runs for its layers' order only: the chain goes on as the stubs pass it
-                out = args[0] if args else kwargs["hidden_states"]
-                out = (out,) if returned[0] else out
-        else:
+        if index == 0:
+            returned.append(isinstance(out, (tuple, list)))
+        else:  # the chain goes on with the hidden states as they came
             out = args[0] if args else kwargs["hidden_states"]
             out = (out,) if returned[0] else out
         if index == len(blocks) - 1:
@@ -220,7 +217,7 @@ def linear_names(block: nn.Module) -> list[str]:
     return [n for n, m in block.named_modules() if isinstance(m, LINEAR_TYPES)]
 
 
-def _kinds(blocks: list[nn.Module]) -> dict[int, set[str]]:
+def block_kinds(blocks: list[nn.Module]) -> dict[int, set[str]]:
     """The first block of each kind (the set of its linear layers' names): its index -> that set."""
     found: dict[int, set[str]] = {}
     for index, block in enumerate(blocks):

@@ -41,9 +41,10 @@ REASONS = {
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
-def _kind(path: str, fused: bool, moe: bool, conv: bool = False) -> str:
-    """The kind of the block parameter at ``path``: ``fused``, a fused expert parameter; ``conv``,
-    a convolution's kernel (Mamba's, a short-convolution layer's: ``other``)."""
+def _kind(path: str, fused: bool, moe: bool, ndim: int) -> str:
+    """The kind of the block parameter at ``path`` of ``ndim`` dimensions; ``fused``: a fused expert
+    parameter. Any other parameter of more than two (a convolution's kernel: Mamba's, a
+    short-convolution layer's) is ``other``."""
     module = path.rpartition(".")[0]
     if is_router(module, moe):
         return "router"
@@ -51,7 +52,7 @@ def _kind(path: str, fused: bool, moe: bool, conv: bool = False) -> str:
         return "shared_experts"
     if fused or ".experts." in f".{path}":
         return "experts"
-    if conv:
+    if ndim > 2:
         return "other"
     if "attn" in path or "attention" in path:
         return "attention"
@@ -106,14 +107,13 @@ def measure_written(folder: str | Path, blocks) -> dict[str, Any]:
         prefix = blocks.prefix(block)
         moe = has_experts(block)
         fused_paths = {f.path for f in fused_experts(block)}
-        convs = {f"{n}.weight" for n, m in block.named_modules() if isinstance(m, torch.nn.modules.conv._ConvNd)}
         units = blocks.family.block_units(block)
         pruned = {f"{p}.weight" for p, u in units.items() if not hasattr(u, "fused")}
         pruned |= {u.fused.path for u in units.values() if hasattr(u, "fused")}
         for path, param in block.named_parameters():
             if param.dim() < 2:
                 continue
-            kind = _kind(path, path in fused_paths, moe, path in convs)
+            kind = _kind(path, path in fused_paths, moe, param.dim())
             reason = None if path in pruned else "router" if kind == "router" else \
                 "bias" if path.endswith("bias") else "unreached"
             params[prefix + path] = (path, param.shape, kind, reason, path in fused_paths)
